@@ -1,0 +1,44 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each sets up .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.meshforge-installed
+# CHAOS_SCALE multiplies the kill counts of the crash suite (`make chaos` runs ten times more).
+CHAOS_SCALE ?= 1
+
+.PHONY: setup demo test lint unit integration chaos bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "MeshForge needs Python 3.11+, found " + sys.version.split()[0]'
+	@command -v java >/dev/null || echo "warning: java not found; the Spark pipeline needs Java 17+"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[all,dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/meshforge demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/mypy
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+integration: $(STAMP)
+	$(BIN)/python -m pytest -q tests/integration
+
+chaos: $(STAMP)
+	CHAOS_SCALE=10 $(BIN)/python -m pytest -q tests/chaos --timeout 3600
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .meshforge .pytest_cache .mypy_cache .ruff_cache build dist

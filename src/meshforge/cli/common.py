@@ -1,0 +1,69 @@
+"""What every command shares: the NATS URL option and the embedded-server fallback."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from meshforge.server import EmbeddedServer
+
+NatsUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--nats-url",
+        envvar="MESHFORGE_NATS_URL",
+        help="NATS server URL; without one an embedded server is started under ./.meshforge/.",
+        show_default=False,
+    ),
+]
+
+HOME = Path(os.environ.get("MESHFORGE_HOME", ".meshforge"))
+SERVER_FILE = "server.json"
+
+
+def _running_embedded(home: Path) -> str | None:
+    """URL of an embedded server another meshforge process runs from ``home``, if alive."""
+    try:
+        info = json.loads((home / SERVER_FILE).read_text())
+        os.kill(int(info["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    url = info.get("url")
+    return url if isinstance(url, str) else None
+
+
+@contextlib.contextmanager
+def embedded_server(home: Path = HOME, port: int | None = None) -> Iterator[EmbeddedServer]:
+    """Start the embedded server with its data under ``home`` and announce its URL there."""
+    server = EmbeddedServer(store_dir=home / "nats", port=port)
+    server.start()
+    marker = home / SERVER_FILE
+    marker.write_text(json.dumps({"pid": server.pid, "url": server.url}))
+    try:
+        yield server
+    finally:
+        with contextlib.suppress(OSError):
+            marker.unlink()
+        server.close()
+
+
+@contextlib.contextmanager
+def nats_target(url: str | None, home: Path = HOME) -> Iterator[str]:
+    """The URL to use: the given one, an embedded server already running, or a new one."""
+    if url:
+        yield url
+        return
+    running = _running_embedded(home)
+    if running:
+        yield running
+        return
+    home.mkdir(parents=True, exist_ok=True)
+    with embedded_server(home) as server:
+        typer.secho(f"embedded nats-server at {server.url} (data in {home}/nats)", err=True, dim=True)
+        yield server.url

