@@ -113,7 +113,7 @@ class EmbeddedServer:
             "-l", str(self.log_file),
             *self.extra_args,
         ]
-        self._proc = subprocess.Popen(  # noqa: S603 - fixed binary, our own arguments
+        self._proc = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -160,7 +160,7 @@ class EmbeddedServer:
     def _healthy(self) -> bool:
         url = f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true"
         try:
-            with urllib.request.urlopen(url, timeout=1.0) as resp:  # noqa: S310 - loopback
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
                 return bool(resp.status == 200)
         except (urllib.error.URLError, OSError):
             return False

@@ -42,24 +42,9 @@ for _name in _COMMANDS:
 
 
 def main() -> None:
-    """Console entry point: run the app, turning MeshForge errors into one line."""
+    """Console entry point: run the app, turning MeshForge errors into one line and exit 1."""
     try:
-        app(standalone_mode=False)
+        app()
     except MeshForgeError as exc:
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except typer.Abort:
-        sys.exit(1)
-    except SystemExit:
-        raise
-    except Exception as exc:  # click usage errors and friends
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Exit):
-            sys.exit(exc.exit_code)
-        raise

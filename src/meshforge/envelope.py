@@ -1,0 +1,287 @@
+"""The envelope: MeshForge's message body, its JSON codec, headers and trace context.
+
+Example::
+
+    env = Envelope.new("order.create", {"sku": "A-1", "qty": 2}, source="gateway")
+    data, headers = env.encode(), env.headers()        # body bytes, NATS headers
+    same = decode(data, headers)                       # raises only MalformedMessage
+    event = same.child("order.created", {"order_id": "o-1"}, position=0)
+    assert event.causation_id == env.id
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from datetime import UTC, datetime
+from typing import Any, Self
+
+import msgspec
+
+from meshforge.errors import MalformedMessage
+
+__all__ = [
+    "H_CAUSATION",
+    "H_CORRELATION",
+    "H_IDEMPOTENCY",
+    "H_MSG_ID",
+    "H_SCHEMA",
+    "H_TENANT",
+    "H_TRACEPARENT",
+    "SCHEMA_VERSION",
+    "Envelope",
+    "Outbound",
+    "decode",
+    "derive_id",
+    "format_traceparent",
+    "now_ts",
+    "parse_traceparent",
+]
+
+SCHEMA_VERSION = "1.0"
+H_MSG_ID = "Nats-Msg-Id"
+H_IDEMPOTENCY = "Idempotency-Key"
+H_TENANT = "Tenant-Id"
+H_SCHEMA = "Schema-Version"
+H_TRACEPARENT = "traceparent"
+H_CAUSATION = "Causation-Id"
+H_CORRELATION = "Correlation-Id"
+
+# Ids derived from a cause are UUIDv5 in this namespace: the same cause and position
+# always give the same id, so a re-published output is the same message.
+_ID_NAMESPACE = uuid.UUID("6d657368-666f-7267-6500-000000000001")
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
+_JSON_ENCODER = msgspec.json.Encoder()
+_JSON_DECODER = msgspec.json.Decoder()
+
+
+def now_ts() -> str:
+    """The current time as RFC 3339 UTC with microseconds, e.g. ``2026-11-25T21:00:00.000000Z``."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def derive_id(cause_id: str, position: int) -> str:
+    """Deterministic id of the ``position``-th output caused by message ``cause_id``."""
+    return str(uuid.uuid5(_ID_NAMESPACE, f"{cause_id}/{position}"))
+
+
+def _hex(text: str, length: int) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def format_traceparent(trace_id: str, span_id: str) -> str:
+    """W3C ``traceparent`` value ``00-<trace_id>-<span_id>-01``."""
+    return f"00-{trace_id}-{span_id}-01"
+
+
+def parse_traceparent(value: str | None) -> tuple[str, str] | None:
+    """``(trace_id, span_id)`` from a W3C ``traceparent``, or None if it is not valid."""
+    if not value:
+        return None
+    m = _TRACEPARENT.fullmatch(value.strip().lower())
+    if not m or m.group(1) == "0" * 32 or m.group(2) == "0" * 16:
+        return None
+    return m.group(1), m.group(2)
+
+
+_STR_FIELDS = (
+    "id", "type", "source", "tenant_id", "resource_type", "resource_id", "idempotency_key",
+    "causation_id", "correlation_id", "trace_id", "span_id", "ts", "schema_version",
+    "not_before_ts", "deadline_ts",
+)  # fmt: skip
+_OPTIONAL_OUT = ("not_before_ts", "deadline_ts", "expected_node_epoch")
+
+
+@dataclass(slots=True)
+class Envelope:
+    """One command or event. ``key`` is the idempotency key (``idempotency_key`` or ``id``)."""
+
+    id: str
+    type: str
+    payload: dict[str, Any]
+    source: str = "meshforge"
+    tenant_id: str = "default"
+    resource_type: str | None = None
+    resource_id: str | None = None
+    idempotency_key: str | None = None
+    causation_id: str | None = None
+    correlation_id: str | None = None
+    trace_id: str | None = None
+    span_id: str | None = None
+    ts: str = ""
+    schema_version: str = SCHEMA_VERSION
+    not_before_ts: str | None = None
+    deadline_ts: str | None = None
+    expected_node_epoch: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, type: str, payload: Mapping[str, Any] | None = None, **fields_: Any) -> Self:
+        """A fresh envelope: new id, ``ts`` now, trace ids started, correlation = own id."""
+        env_id = fields_.pop("id", None) or str(uuid.uuid4())
+        fields_.setdefault("ts", now_ts())
+        fields_.setdefault("trace_id", uuid.uuid4().hex)
+        fields_.setdefault("span_id", _hex(env_id, 16))
+        fields_.setdefault("correlation_id", env_id)
+        fields_.setdefault("idempotency_key", env_id)
+        return cls(id=env_id, type=type, payload=dict(payload or {}), **fields_)
+
+    @property
+    def key(self) -> str:
+        """The idempotency key: duplicates of one request share it."""
+        return self.idempotency_key or self.id
+
+    def child(
+        self,
+        type: str,
+        payload: Mapping[str, Any],
+        position: int,
+        **fields_: Any,
+    ) -> Envelope:
+        """The ``position``-th output caused by this message: deterministic id, same trace,
+        a child span, ``causation_id`` = this id, and this message's logical ``ts``."""
+        child_id = derive_id(self.id, position)
+        base: dict[str, Any] = {
+            "source": self.source,
+            "tenant_id": self.tenant_id,
+            "resource_type": self.resource_type,
+            "resource_id": self.resource_id,
+            "idempotency_key": child_id,
+            "causation_id": self.id,
+            "correlation_id": self.correlation_id or self.id,
+            "trace_id": self.trace_id or _hex(self.id, 32),
+            "span_id": _hex(child_id, 16),
+            "ts": self.ts or now_ts(),
+            "schema_version": self.schema_version,
+        }
+        base.update(fields_)
+        return Envelope(id=child_id, type=type, payload=dict(payload), **base)
+
+    def with_(self, **changes: Any) -> Envelope:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object: unknown fields first (known ones win), optional control fields when set."""
+        out: dict[str, Any] = dict(self.extra)
+        for f in fields(self):
+            name = f.name
+            if name == "extra":
+                continue
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_OUT:
+                continue
+            out[name] = value
+        return out
+
+    def encode(self) -> bytes:
+        """UTF-8 JSON bytes of the envelope."""
+        return _JSON_ENCODER.encode(self.to_dict())
+
+    def headers(self) -> dict[str, str]:
+        """NATS headers for this envelope (CONTRACT.md, "Headers")."""
+        h = {
+            H_MSG_ID: self.id,
+            H_IDEMPOTENCY: self.key,
+            H_TENANT: self.tenant_id,
+            H_SCHEMA: self.schema_version,
+        }
+        if self.trace_id and self.span_id and parse_traceparent(
+            tp := format_traceparent(self.trace_id, self.span_id)
+        ):
+            h[H_TRACEPARENT] = tp
+        if self.causation_id:
+            h[H_CAUSATION] = self.causation_id
+        if self.correlation_id:
+            h[H_CORRELATION] = self.correlation_id
+        return h
+
+
+@dataclass(slots=True, frozen=True)
+class Outbound:
+    """A message ready to publish: subject, body, headers and its ``Nats-Msg-Id``."""
+
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+    msg_id: str
+
+    @classmethod
+    def of(cls, subject: str, env: Envelope) -> Outbound:
+        return cls(subject=subject, data=env.encode(), headers=env.headers(), msg_id=env.id)
+
+
+def _valid_ts(value: str) -> bool:
+    try:
+        datetime.fromisoformat(value)
+    except ValueError:
+        return False
+    return True
+
+
+def decode(
+    data: bytes | bytearray | memoryview,
+    headers: Mapping[str, str] | None = None,
+    *,
+    default_ts: str | None = None,
+) -> Envelope:
+    """Parse an envelope; headers win over the body for the same fact.
+
+    A missing ``id`` becomes the ``Nats-Msg-Id`` header or an id derived from the bytes
+    (so redeliveries agree); a missing ``ts`` becomes ``default_ts`` (e.g. the stream's
+    stored time) or now. Raises :class:`MalformedMessage` and nothing else.
+    """
+    try:
+        obj = _JSON_DECODER.decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError, ValueError, TypeError, RecursionError) as exc:
+        raise MalformedMessage(f"body is not valid UTF-8 JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise MalformedMessage(f"body is a JSON {type(obj).__name__}, expected an object")
+    h = headers or {}
+    if "type" not in obj:
+        raise MalformedMessage("envelope lacks 'type'")
+    if "payload" not in obj:
+        raise MalformedMessage("envelope lacks 'payload'")
+    if not isinstance(obj["payload"], dict):
+        raise MalformedMessage(f"'payload' is a JSON {type(obj['payload']).__name__}, expected an object")
+    for name in _STR_FIELDS:
+        value = obj.get(name)
+        if value is not None and not isinstance(value, str):
+            raise MalformedMessage(f"'{name}' must be a string, got {type(value).__name__}")
+    if not obj["type"]:
+        raise MalformedMessage("'type' is empty")
+    epoch = obj.get("expected_node_epoch")
+    if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
+        raise MalformedMessage(f"'expected_node_epoch' must be an integer, got {epoch!r}")
+    for name in ("ts", "not_before_ts", "deadline_ts"):
+        value = obj.get(name)
+        if value and not _valid_ts(value):
+            raise MalformedMessage(f"'{name}' is not an RFC 3339 timestamp: {value[:64]!r}")
+
+    known = {f.name for f in fields(Envelope)} - {"extra"}
+    extra = {k: v for k, v in obj.items() if k not in known}
+    env_id = obj.get("id") or h.get(H_MSG_ID) or str(uuid.uuid5(_ID_NAMESPACE, bytes(data).hex()))
+    trace = parse_traceparent(h.get(H_TRACEPARENT))
+    return Envelope(
+        id=env_id,
+        type=obj["type"],
+        payload=obj["payload"],
+        source=obj.get("source") or "",
+        tenant_id=h.get(H_TENANT) or obj.get("tenant_id") or "default",
+        resource_type=obj.get("resource_type"),
+        resource_id=obj.get("resource_id"),
+        idempotency_key=h.get(H_IDEMPOTENCY) or obj.get("idempotency_key") or env_id,
+        causation_id=h.get(H_CAUSATION) or obj.get("causation_id"),
+        correlation_id=h.get(H_CORRELATION) or obj.get("correlation_id"),
+        trace_id=trace[0] if trace else obj.get("trace_id"),
+        span_id=trace[1] if trace else obj.get("span_id"),
+        ts=obj.get("ts") or default_ts or now_ts(),
+        schema_version=h.get(H_SCHEMA) or obj.get("schema_version") or SCHEMA_VERSION,
+        not_before_ts=obj.get("not_before_ts"),
+        deadline_ts=obj.get("deadline_ts"),
+        expected_node_epoch=epoch,
+        extra=extra,
+    )

@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshforge.envelope import (
+    H_IDEMPOTENCY,
+    H_MSG_ID,
+    H_TENANT,
+    H_TRACEPARENT,
+    Envelope,
+    Outbound,
+    decode,
+    derive_id,
+    format_traceparent,
+    parse_traceparent,
+)
+from meshforge.errors import MalformedMessage
+
+json_scalars = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=20)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+payloads = st.dictionaries(st.text(max_size=10), json_values, max_size=5)
+tokens = st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=0x2FFF), min_size=1, max_size=30)
+
+
+@given(payload=payloads, type_=tokens, source=tokens, resource=st.none() | tokens)
+def test_round_trip(payload: dict[str, Any], type_: str, source: str, resource: str | None) -> None:
+    env = Envelope.new(type_, payload, source=source, resource_id=resource)
+    back = decode(env.encode(), env.headers())
+    assert back == env
+
+
+@given(extra=st.dictionaries(st.text(min_size=1, max_size=8).filter(lambda k: k not in Envelope.__dataclass_fields__), json_values, max_size=4))
+def test_unknown_fields_are_kept(extra: dict[str, Any]) -> None:
+    env = Envelope.new("a.b", {"x": 1})
+    body = {**json.loads(env.encode()), **extra}
+    back = decode(json.dumps(body).encode())
+    assert back.extra == extra
+    assert json.loads(back.encode()) == body
+
+
+@settings(max_examples=500)
+@given(data=st.binary(max_size=200))
+def test_any_bytes_decode_or_raise_malformed(data: bytes) -> None:
+    try:
+        decode(data)
+    except MalformedMessage as exc:
+        assert "\n" not in str(exc)
+
+
+@settings(max_examples=300)
+@given(obj=st.dictionaries(st.sampled_from(["id", "type", "payload", "ts", "tenant_id", "expected_node_epoch", "deadline_ts", "x"]), json_values, max_size=6))
+def test_any_json_object_decodes_or_raises_malformed(obj: dict[str, Any]) -> None:
+    try:
+        env = decode(json.dumps(obj).encode())
+    except MalformedMessage:
+        return
+    assert isinstance(env.payload, dict) and env.type
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"not json", "not valid UTF-8 JSON"),
+        (b"[1, 2]", "expected an object"),
+        (b'{"payload": {}}', "lacks 'type'"),
+        (b'{"type": "a.b"}', "lacks 'payload'"),
+        (b'{"type": "a.b", "payload": 3}', "'payload' is a JSON int"),
+        (b'{"type": 5, "payload": {}}', "'type' must be a string"),
+        (b'{"type": "a.b", "payload": {}, "ts": "yesterday"}', "RFC 3339"),
+        (b'{"type": "a.b", "payload": {}, "expected_node_epoch": "7"}', "expected_node_epoch"),
+        (b"\xff\xfe", "UTF-8"),
+    ],
+)
+def test_malformed_says_why(body: bytes, why: str) -> None:
+    with pytest.raises(MalformedMessage, match=why):
+        decode(body)
+
+
+def test_headers_win_over_body() -> None:
+    env = Envelope.new("order.create", {}, tenant_id="body-tenant")
+    headers = env.headers() | {
+        H_TENANT: "hdr-tenant",
+        H_IDEMPOTENCY: "k-1",
+        H_TRACEPARENT: format_traceparent("a" * 32, "b" * 16),
+    }
+    back = decode(env.encode(), headers)
+    assert (back.tenant_id, back.key, back.trace_id, back.span_id) == ("hdr-tenant", "k-1", "a" * 32, "b" * 16)
+
+
+def test_missing_fields_are_filled_deterministically() -> None:
+    body = b'{"type": "order.create", "payload": {"sku": "A"}}'
+    a = decode(body, default_ts="2026-01-01T00:00:00Z")
+    b = decode(body, default_ts="2026-01-01T00:00:00Z")
+    assert a.id == b.id and a.ts == "2026-01-01T00:00:00Z" and a.key == a.id
+    assert decode(body, {H_MSG_ID: "m-1"}).id == "m-1"
+
+
+def test_child_is_deterministic_and_linked() -> None:
+    cmd = Envelope.new("order.create", {"sku": "A"}, resource_id="r1")
+    e1 = cmd.child("order.created", {"order_id": "o"}, 0)
+    e2 = cmd.child("order.created", {"order_id": "o"}, 0)
+    assert e1 == e2
+    assert e1.id == derive_id(cmd.id, 0) != derive_id(cmd.id, 1)
+    assert e1.causation_id == cmd.id and e1.correlation_id == cmd.id
+    assert e1.trace_id == cmd.trace_id and e1.span_id != cmd.span_id
+    assert e1.ts == cmd.ts
+    out = Outbound.of("evt.default.demo.order.created", e1)
+    assert out.msg_id == e1.id and out.headers[H_MSG_ID] == e1.id
+
+
+def test_traceparent() -> None:
+    assert parse_traceparent(format_traceparent("1" * 32, "2" * 16)) == ("1" * 32, "2" * 16)
+    assert parse_traceparent("garbage") is None
+    assert parse_traceparent("00-" + "0" * 32 + "-" + "2" * 16 + "-01") is None
