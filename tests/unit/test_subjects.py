@@ -35,7 +35,7 @@ def all_literals(max_len: int = 6) -> list[str]:
     out: list[list[str]] = [[t] for t in ALPHABET]
     frontier = out
     for _ in range(max_len - 1):
-        frontier = [s + [t] for s in frontier for t in ALPHABET]
+        frontier = [[*s, t] for s in frontier for t in ALPHABET]
         out += frontier
     return [".".join(s) for s in out]
 
