@@ -55,7 +55,19 @@ class PublishError(MeshForgeError):
 
 
 class StoreError(MeshForgeError):
-    """The store failed or holds data that contradicts the wire."""
+    """The store failed or holds data that contradicts the wire.
+
+    ``kind`` is ``duplicate`` (a unique key already stored), ``conflict`` (serialisation
+    failure or deadlock), ``busy``, ``unavailable``, ``closed`` or ``error``;
+    ``retriable`` says whether running the whole transaction again may succeed.
+    """
+
+    retriable: bool = False
+
+    def __init__(self, message: str, *, kind: str = "error", retriable: bool = False) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.retriable = retriable
 
 
 class HandlerError(MeshForgeError):
