@@ -318,7 +318,9 @@ def _read_file(path: Path, label: str) -> dict[str, object]:
     return data
 
 
-def _config_path(config_file: str | os.PathLike[str] | None, env: Mapping[str, str]) -> tuple[Path, str] | None:
+def _config_path(
+    config_file: str | os.PathLike[str] | None, env: Mapping[str, str]
+) -> tuple[Path, str] | None:
     if config_file is not None:
         return Path(config_file), "config_file"
     from_env = env.get(f"{ENV_PREFIX}CONFIG", "").strip()
@@ -387,6 +389,8 @@ def _check_together(s: Settings) -> None:
         )
     if (s.tls_cert is None) != (s.tls_key is None):
         missing = "tls_key" if s.tls_key is None else "tls_cert"
-        raise ConfigError(f"{missing}: expected a file path (tls_cert and tls_key go together), got None")
+        raise ConfigError(
+            f"{missing}: expected a file path (tls_cert and tls_key go together), got None"
+        )
     if s.password is not None and s.user is None:
         raise ConfigError("user: expected a user name when password is set, got None")

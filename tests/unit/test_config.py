@@ -76,7 +76,9 @@ def test_empty_environment_values_count_as_unset() -> None:
 
 
 def test_unrelated_meshforge_variables_are_ignored() -> None:
-    assert load_settings(env={"MESHFORGE_CRASH_AT": "after_ack", "MESHFORGE_HOME": "/x"}) == Settings()
+    assert (
+        load_settings(env={"MESHFORGE_CRASH_AT": "after_ack", "MESHFORGE_HOME": "/x"}) == Settings()
+    )
 
 
 def test_toml_file_values_are_parsed(tmp_path: Path) -> None:
@@ -107,7 +109,9 @@ def test_meshforge_toml_in_the_working_directory_is_read(tmp_path: Path) -> None
 
 
 def test_overrides_ignore_none() -> None:
-    s = load_settings({"max_deliver": None, "nats_url": None, "batch_size": 2}, env={"MESHFORGE_MAX_DELIVER": "4"})
+    s = load_settings(
+        {"max_deliver": None, "nats_url": None, "batch_size": 2}, env={"MESHFORGE_MAX_DELIVER": "4"}
+    )
     assert s.max_deliver == 4
     assert s.batch_size == 2
 
@@ -132,7 +136,10 @@ def test_precedence_override_env_file_default(tmp_path: Path) -> None:
     in_override=st.none() | st.integers(1, 1000),
 )
 def test_precedence_property(
-    tmp_path_factory: pytest.TempPathFactory, in_file: int | None, in_env: int | None, in_override: int | None
+    tmp_path_factory: pytest.TempPathFactory,
+    in_file: int | None,
+    in_env: int | None,
+    in_override: int | None,
 ) -> None:
     path = tmp_path_factory.mktemp("prec") / "m.toml"
     path.write_text(f"connect_attempts = {in_file}\n" if in_file is not None else "")
@@ -163,8 +170,19 @@ def test_backoff_string_and_list_agree(ms: list[int]) -> None:
     assert parse_backoff(text) == pytest.approx(tuple(v / 1000 for v in ms))
 
 
-@pytest.mark.parametrize("word,value", [("true", True), ("Yes", True), ("1", True), ("on", True),
-                                        ("false", False), ("NO", False), ("0", False), ("off", False)])
+@pytest.mark.parametrize(
+    "word,value",
+    [
+        ("true", True),
+        ("Yes", True),
+        ("1", True),
+        ("on", True),
+        ("false", False),
+        ("NO", False),
+        ("0", False),
+        ("off", False),
+    ],
+)
 def test_booleans(word: str, value: bool) -> None:
     assert load_settings(env={"MESHFORGE_LOG_JSON": word}).log_json is value
 
@@ -175,17 +193,29 @@ def test_booleans(word: str, value: bool) -> None:
 @pytest.mark.parametrize(
     "env,message",
     [
-        ({"MESHFORGE_MAX_DELIVER": "abc"}, "MESHFORGE_MAX_DELIVER: expected an integer >= 1, got 'abc'"),
-        ({"MESHFORGE_MAX_DELIVER": "0"}, "MESHFORGE_MAX_DELIVER: expected an integer >= 1, got '0'"),
+        (
+            {"MESHFORGE_MAX_DELIVER": "abc"},
+            "MESHFORGE_MAX_DELIVER: expected an integer >= 1, got 'abc'",
+        ),
+        (
+            {"MESHFORGE_MAX_DELIVER": "0"},
+            "MESHFORGE_MAX_DELIVER: expected an integer >= 1, got '0'",
+        ),
         ({"MESHFORGE_ACK_WAIT": "soon"}, "MESHFORGE_ACK_WAIT: expected a duration"),
         ({"MESHFORGE_ACK_WAIT": "0s"}, "MESHFORGE_ACK_WAIT: expected a duration > 0"),
         ({"MESHFORGE_BACKOFF": "1s,x"}, "MESHFORGE_BACKOFF: expected a list of durations"),
         ({"MESHFORGE_BACKOFF": "1s,0s"}, "MESHFORGE_BACKOFF: expected a list of durations > 0"),
         ({"MESHFORGE_LOG_JSON": "maybe"}, "MESHFORGE_LOG_JSON: expected true or false"),
-        ({"MESHFORGE_STORAGE": "disk"}, "MESHFORGE_STORAGE: expected one of file, memory, got 'disk'"),
+        (
+            {"MESHFORGE_STORAGE": "disk"},
+            "MESHFORGE_STORAGE: expected one of file, memory, got 'disk'",
+        ),
         ({"MESHFORGE_NATS_URL": "http://x"}, "MESHFORGE_NATS_URL: expected a URL"),
         ({"MESHFORGE_STORE_URL": "mysql://x"}, "MESHFORGE_STORE_URL: expected sqlite:///path"),
-        ({"MESHFORGE_METRICS_PORT": "70000"}, "MESHFORGE_METRICS_PORT: expected an integer from 0 to 65535"),
+        (
+            {"MESHFORGE_METRICS_PORT": "70000"},
+            "MESHFORGE_METRICS_PORT: expected an integer from 0 to 65535",
+        ),
         ({"MESHFORGE_MAX_BYTES": "-2"}, "MESHFORGE_MAX_BYTES: expected an integer >= 1 or -1"),
         ({"MESHFORGE_TENANT": "a.b"}, "MESHFORGE_TENANT: expected 1 to 64 characters"),
         ({"MESHFORGE_LOG_LEVEL": "loud"}, "MESHFORGE_LOG_LEVEL: expected one of DEBUG"),
@@ -202,7 +232,9 @@ def test_bad_environment_values_name_the_variable(env: dict[str, str], message: 
 def test_bad_file_value_names_key_and_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("max_deliver = true\n")
-    with pytest.raises(ConfigError, match=r"^max_deliver in .*bad\.toml: expected an integer >= 1, got True$"):
+    with pytest.raises(
+        ConfigError, match=r"^max_deliver in .*bad\.toml: expected an integer >= 1, got True$"
+    ):
         load_settings(env=NO_ENV, config_file=path)
 
 
@@ -243,7 +275,9 @@ def test_environment_error_beats_a_good_override() -> None:
 
 
 def test_duplicate_window_cannot_exceed_max_age() -> None:
-    with pytest.raises(ConfigError, match=r"^duplicate_window: expected at most max_age \(60s\), got 120s$"):
+    with pytest.raises(
+        ConfigError, match=r"^duplicate_window: expected at most max_age \(60s\), got 120s$"
+    ):
         load_settings({"max_age": "1m"}, env=NO_ENV)
     assert load_settings({"max_age": "1m", "duplicate_window": "30s"}, env=NO_ENV).max_age == 60.0
 
