@@ -1,0 +1,300 @@
+"""The store's contract: the records it keeps and the ``Store`` / ``Transaction`` protocols.
+
+Everything a command changes (state, events, outputs, the idempotency key, outbox rows,
+the user's own tables) is written through one ``Transaction`` so it commits or vanishes
+together. The API is synchronous and thread-safe; async code calls it through
+``asyncio.to_thread``.
+
+Example::
+
+    store = open_store("sqlite:///.meshforge/store.db")
+    with store.transaction() as tx:
+        if tx.effect_get("order_consumer", key) is None:
+            tx.state_put("order", order_id, state, position=1)
+            tx.effect_put("order_consumer", key, command_id, outputs)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, Protocol, TypeVar
+
+T = TypeVar("T")
+
+InboxStatus = Literal["received", "processing", "processed", "failed"]
+OutboxState = Literal["pending", "publishing", "sent", "failed"]
+Dialect = Literal["sqlite", "postgresql"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredOutput:
+    """One message a command produced, kept with its effect so it can be re-published as is."""
+
+    position: int
+    subject: str
+    msg_id: str
+    data: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EffectRecord:
+    """A processed idempotency key with the outputs it produced, in position order."""
+
+    consumer: str
+    key: str
+    command_id: str
+    outputs: tuple[StoredOutput, ...]
+    created_at: datetime
+    published_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class InboxRecord:
+    """A received message per consumer; ``status`` says whether it was already processed."""
+
+    key: str
+    consumer: str
+    message_id: str | None
+    type: str | None
+    subject: str | None
+    stream: str | None
+    stream_seq: int | None
+    status: InboxStatus
+    attempts: int
+    deliveries: int
+    error: str | None
+    resource_type: str | None
+    resource_id: str | None
+    headers: dict[str, str]
+    received_at: datetime
+    processed_at: datetime | None
+    failed_at: datetime | None
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def processed(self) -> bool:
+        """True when an earlier delivery finished this message."""
+        return self.status == "processed"
+
+
+@dataclass(frozen=True, slots=True)
+class NewEvent:
+    """An event to append to an agent's log."""
+
+    event_id: str
+    type: str
+    resource_id: str | None
+    command_id: str
+    key: str
+    data: bytes
+    ts: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent(NewEvent):
+    """An appended event: its agent, gapless per-agent ``position`` and when it was stored."""
+
+    agent: str
+    position: int
+    stored_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """A message waiting in the outbox (or claimed by a relay)."""
+
+    id: int
+    msg_id: str
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+    attempts: int
+    state: OutboxState
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A control-plane node's boot counter."""
+
+    site: str
+    node: str
+    epoch: int
+    updated_at: datetime
+
+
+class Transaction(Protocol):
+    """One database transaction. Not shared between threads.
+
+    After any ``StoreError`` raised inside it the transaction is spoiled: it will roll
+    back when the ``with`` block ends, whatever the block does.
+    """
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Run the user's own SQL (``?`` placeholders on every backend); returns the rows.
+
+        Example: ``tx.execute("UPDATE stock SET qty = qty - ? WHERE sku = ?", (2, "A1"))``
+        """
+        ...
+
+    def inbox_begin(
+        self,
+        key: str,
+        consumer: str,
+        *,
+        message_id: str | None,
+        type: str | None,
+        subject: str | None,
+        stream: str | None,
+        stream_seq: int | None,
+        deliveries: int,
+        headers: dict[str, str],
+        resource_type: str | None = None,
+        resource_id: str | None = None,
+    ) -> InboxRecord:
+        """Find or insert the (key, consumer) row, locked; unless processed, mark it
+        ``processing`` and count the attempt. ``record.processed`` means: skip and ack."""
+        ...
+
+    def inbox_done(self, key: str, consumer: str) -> None:
+        """Mark the message processed."""
+        ...
+
+    def inbox_failed(self, key: str, consumer: str, error: str) -> None:
+        """Mark the message failed with a one-line error."""
+        ...
+
+    def effect_get(self, consumer: str, key: str) -> list[StoredOutput] | None:
+        """The outputs stored for this key, or None when the key was never processed."""
+        ...
+
+    def effect_put(
+        self, consumer: str, key: str, command_id: str, outputs: Sequence[StoredOutput]
+    ) -> None:
+        """Record the key as processed with its outputs; a second put raises
+        ``StoreError(kind="duplicate")`` because it would double the effect."""
+        ...
+
+    def effect_mark_published(self, consumer: str, key: str) -> None:
+        """Note that the outputs of this key reached the broker."""
+        ...
+
+    def events_append(self, agent: str, events: Sequence[NewEvent]) -> list[int]:
+        """Append events to the agent's log; returns their positions (gapless from 1)."""
+        ...
+
+    def state_get(self, agent: str, resource_id: str) -> bytes | None:
+        """The resource's state snapshot, locked until the transaction ends."""
+        ...
+
+    def state_put(self, agent: str, resource_id: str, data: bytes, position: int) -> None:
+        """Store the resource's state snapshot as of event ``position``."""
+        ...
+
+    def outbox_add(self, *, msg_id: str, subject: str, data: bytes, headers: dict[str, str]) -> int:
+        """Queue a message for the relay; returns its row id."""
+        ...
+
+    def node_epoch_bump(self, site: str, node: str) -> int:
+        """Count one more boot of the node: 1 on the first, one higher each call."""
+        ...
+
+    def node_epoch(self, site: str, node: str) -> int | None:
+        """The node's current boot counter, None if it never started."""
+        ...
+
+    def node_reply_get(self, site: str, node: str, command_id: str) -> bytes | None:
+        """The reply stored for a control command, None if it never ran."""
+        ...
+
+    def node_reply_put(self, site: str, node: str, command_id: str, reply: bytes) -> None:
+        """Store a control command's reply; a second put raises ``StoreError(kind="duplicate")``."""
+        ...
+
+
+class Store(Protocol):
+    """The persistent store: one interface over SQLite and PostgreSQL."""
+
+    @property
+    def url(self) -> str:
+        """The URL the store was opened with."""
+        ...
+
+    @property
+    def dialect(self) -> Dialect:
+        """``sqlite`` or ``postgresql``."""
+        ...
+
+    def transaction(self) -> AbstractContextManager[Transaction]:
+        """One transaction: commit on success, roll back on exception.
+
+        Do not call the store-level methods below from inside it.
+        """
+        ...
+
+    def run(self, work: Callable[[Transaction], T], *, attempts: int = 5) -> T:
+        """Run ``work(tx)`` in a transaction, again while it fails with a retriable error."""
+        ...
+
+    def close(self) -> None:
+        """Release connections; further use raises ``StoreError(kind="closed")``."""
+        ...
+
+    def outbox_claim(self, relay_id: str, limit: int, lease_seconds: float) -> list[OutboxRow]:
+        """Lease up to ``limit`` due rows (pending, expired lease, or failed and due) by id."""
+        ...
+
+    def outbox_mark_sent(self, ids: Sequence[int]) -> None:
+        """Mark rows sent."""
+        ...
+
+    def outbox_mark_failed(
+        self, id: int, error: str, retry_at: datetime, *, give_up: bool = False
+    ) -> None:
+        """Count a failed attempt; retry after ``retry_at``, or never when ``give_up``."""
+        ...
+
+    def outbox_depth(self) -> int:
+        """Rows still to publish: pending, publishing, and failed but not given up."""
+        ...
+
+    def outbox_cleanup(self, older_than: datetime) -> int:
+        """Delete rows sent before ``older_than``; returns how many."""
+        ...
+
+    def inbox_cleanup(self, older_than: datetime) -> int:
+        """Delete processed or failed inbox rows last touched before ``older_than``."""
+        ...
+
+    def effects_cleanup(self, older_than: datetime) -> int:
+        """Delete effects (and their outputs) stored before ``older_than``; events stay."""
+        ...
+
+    def events_read(
+        self, agent: str, after: int = 0, limit: int | None = None
+    ) -> Iterator[StoredEvent]:
+        """The agent's events after position ``after``, in order, read page by page."""
+        ...
+
+    def agents(self) -> list[str]:
+        """Agents that have appended events, sorted."""
+        ...
+
+    def effects_read(self, consumer: str | None = None) -> Iterator[EffectRecord]:
+        """Every stored effect (of one consumer), by (consumer, key), read page by page."""
+        ...
+
+    def inbox_read(
+        self, consumer: str | None = None, *, status: InboxStatus | None = None
+    ) -> Iterator[InboxRecord]:
+        """Inbox rows (of one consumer, of one status), by (consumer, key), page by page."""
+        ...
+
+    def nodes(self) -> list[NodeInfo]:
+        """Every known control-plane node with its epoch."""
+        ...

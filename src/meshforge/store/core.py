@@ -1,0 +1,341 @@
+"""``SqlStore``: the store-level operations shared by both backends.
+
+A backend supplies ``_session`` (a cursor inside one open transaction that commits on a
+clean exit and rolls back on an exception) and ``_release``; everything else is here.
+Reads page by key (keyset pagination), so no lock or connection is held while the caller
+consumes an iterator and memory stays bounded however large the tables grow.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar, cast
+
+from meshforge.errors import StoreError
+from meshforge.store.base import (
+    Dialect as DialectName,
+)
+from meshforge.store.base import (
+    EffectRecord,
+    InboxRecord,
+    InboxStatus,
+    NodeInfo,
+    OutboxRow,
+    OutboxState,
+    StoredEvent,
+    StoredOutput,
+    Transaction,
+)
+from meshforge.store.sql import (
+    Cursor,
+    Dialect,
+    Runner,
+    clean_text,
+    in_clause,
+    load_headers,
+)
+from meshforge.store.transaction import INBOX_COLUMNS, SqlTransaction, inbox_record, output_of
+
+T = TypeVar("T")
+Clock = Callable[[], datetime]
+
+_OUTBOX_COLUMNS = "id, msg_id, subject, data, headers, attempts, state, created_at"
+_EVENT_COLUMNS = (
+    "event_id, type, resource_id, command_id, key, data, ts, agent, position, stored_at"
+)
+
+
+def system_clock() -> datetime:
+    return datetime.now(UTC)
+
+
+class SqlStore(ABC):
+    """The ``Store`` protocol over a dialect and a backend session; see ``base.Store``."""
+
+    #: Rows fetched per page by the streaming readers.
+    page_size = 500
+
+    def __init__(self, url: str, dialect: Dialect, clock: Clock | None = None) -> None:
+        self._url = url
+        self._dialect = dialect
+        self._clock = clock or system_clock
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def dialect(self) -> DialectName:
+        return self._dialect.name
+
+    @abstractmethod
+    def _session(self, *, write: bool) -> AbstractContextManager[Cursor]:
+        """A cursor inside one transaction; commit on clean exit, roll back on error."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Close connections; later sessions raise ``StoreError(kind="closed")``."""
+
+    def close(self) -> None:
+        self._release()
+
+    def __enter__(self) -> SqlStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._dialect.name}>"
+
+    @contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        with self._session(write=True) as cursor:
+            tx = SqlTransaction(Runner(self._dialect, cursor), self._clock())
+            yield tx
+            if tx.failed:
+                # The block caught a StoreError and carried on: its writes cannot stand.
+                raise StoreError(
+                    f"{self._dialect.name} store: transaction rolled back because a store"
+                    " error inside it was caught and ignored",
+                )
+
+    def run(self, work: Callable[[Transaction], T], *, attempts: int = 5) -> T:
+        for attempt in range(1, attempts + 1):
+            try:
+                with self.transaction() as tx:
+                    return work(tx)
+            except StoreError as exc:
+                if not exc.retriable or attempt >= attempts:
+                    raise
+                # Jittered backoff so the transactions that collided do not collide again.
+                time.sleep(random.uniform(0, 0.01 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    @contextmanager
+    def _short(self, *, write: bool = True) -> Iterator[Runner]:
+        with self._session(write=write) as cursor:
+            yield Runner(self._dialect, cursor)
+
+    def _ts(self, value: datetime) -> Any:
+        return self._dialect.ts_in(value)
+
+    # ---- outbox relay -------------------------------------------------------------
+
+    def outbox_claim(self, relay_id: str, limit: int, lease_seconds: float) -> list[OutboxRow]:
+        if limit <= 0:
+            return []
+        now = self._clock()
+        until = now + timedelta(seconds=lease_seconds)
+        sql = (
+            "UPDATE meshforge_outbox SET state = 'publishing', lease_owner = ?,"
+            " lease_until = ?, updated_at = ? WHERE id IN ("
+            " SELECT id FROM meshforge_outbox WHERE state = 'pending'"
+            " OR (state = 'publishing' AND lease_until <= ?)"
+            " OR (state = 'failed' AND given_up_at IS NULL AND retry_at <= ?)"
+            f" ORDER BY id LIMIT ?{self._dialect.skip_locked})"
+            f" RETURNING {_OUTBOX_COLUMNS}"
+        )
+        n = self._ts(now)
+        with self._short() as run:
+            rows = run.rows(sql, (relay_id, self._ts(until), n, n, n, limit))
+        d = self._dialect
+        claimed = [
+            OutboxRow(
+                id=int(r[0]), msg_id=r[1], subject=r[2], data=bytes(r[3]),
+                headers=load_headers(r[4]), attempts=int(r[5]),
+                state=cast(OutboxState, r[6]), created_at=d.ts_out(r[7]),
+            )
+            for r in rows
+        ]  # fmt: skip
+        return sorted(claimed, key=lambda row: row.id)
+
+    def outbox_mark_sent(self, ids: Sequence[int]) -> None:
+        now = self._ts(self._clock())
+        with self._short() as run:
+            for start in range(0, len(ids), 500):
+                chunk = list(ids[start : start + 500])
+                run.count(
+                    "UPDATE meshforge_outbox SET state = 'sent', sent_at = ?, updated_at = ?,"
+                    f" lease_owner = NULL, lease_until = NULL WHERE id IN {in_clause(len(chunk))}",
+                    (now, now, *chunk),
+                )
+
+    def outbox_mark_failed(
+        self, id: int, error: str, retry_at: datetime, *, give_up: bool = False
+    ) -> None:
+        now = self._ts(self._clock())
+        with self._short() as run:
+            changed = run.count(
+                "UPDATE meshforge_outbox SET state = 'failed', attempts = attempts + 1,"
+                " error = ?, retry_at = ?, given_up_at = ?, updated_at = ?,"
+                " lease_owner = NULL, lease_until = NULL WHERE id = ?",
+                (clean_text(error), None if give_up else self._ts(retry_at),
+                 now if give_up else None, now, id),
+            )  # fmt: skip
+        if changed == 0:
+            raise StoreError(f"no outbox row with id {id}", kind="not_found")
+
+    def outbox_depth(self) -> int:
+        with self._short(write=False) as run:
+            rows = run.rows(
+                "SELECT count(*) FROM meshforge_outbox WHERE state IN ('pending', 'publishing')"
+                " OR (state = 'failed' AND given_up_at IS NULL)"
+            )
+        return int(rows[0][0])
+
+    def outbox_cleanup(self, older_than: datetime) -> int:
+        with self._short() as run:
+            return run.count(
+                "DELETE FROM meshforge_outbox WHERE state = 'sent' AND sent_at < ?",
+                (self._ts(older_than),),
+            )
+
+    # ---- retention ----------------------------------------------------------------
+
+    def inbox_cleanup(self, older_than: datetime) -> int:
+        with self._short() as run:
+            return run.count(
+                "DELETE FROM meshforge_inbox WHERE status IN ('processed', 'failed')"
+                " AND updated_at < ?",
+                (self._ts(older_than),),
+            )
+
+    def effects_cleanup(self, older_than: datetime) -> int:
+        cutoff = self._ts(older_than)
+        with self._short() as run:
+            run.count(
+                "DELETE FROM meshforge_effect_outputs WHERE EXISTS (SELECT 1 FROM"
+                " meshforge_effects e WHERE e.consumer = meshforge_effect_outputs.consumer"
+                " AND e.key = meshforge_effect_outputs.key AND e.created_at < ?)",
+                (cutoff,),
+            )
+            return run.count("DELETE FROM meshforge_effects WHERE created_at < ?", (cutoff,))
+
+    def node_replies_cleanup(self, older_than: datetime) -> int:
+        """Delete node replies stored before ``older_than``; returns how many."""
+        with self._short() as run:
+            return run.count(
+                "DELETE FROM meshforge_node_replies WHERE created_at < ?",
+                (self._ts(older_than),),
+            )
+
+    # ---- streaming readers --------------------------------------------------------
+
+    def events_read(
+        self, agent: str, after: int = 0, limit: int | None = None
+    ) -> Iterator[StoredEvent]:
+        last, remaining = after, limit
+        while remaining is None or remaining > 0:
+            size = self.page_size if remaining is None else min(self.page_size, remaining)
+            with self._short(write=False) as run:
+                rows = run.rows(
+                    f"SELECT {_EVENT_COLUMNS} FROM meshforge_events"
+                    " WHERE agent = ? AND position > ? ORDER BY position LIMIT ?",
+                    (agent, last, size),
+                )
+            for r in rows:
+                yield StoredEvent(
+                    event_id=r[0], type=r[1], resource_id=r[2], command_id=r[3], key=r[4],
+                    data=bytes(r[5]), ts=r[6], agent=r[7], position=int(r[8]),
+                    stored_at=self._dialect.ts_out(r[9]),
+                )  # fmt: skip
+            if len(rows) < size:
+                return
+            last = int(rows[-1][8])
+            remaining = None if remaining is None else remaining - len(rows)
+
+    def agents(self) -> list[str]:
+        with self._short(write=False) as run:
+            rows = run.rows("SELECT agent FROM meshforge_agent_heads ORDER BY agent")
+        return [r[0] for r in rows]
+
+    def effects_read(self, consumer: str | None = None) -> Iterator[EffectRecord]:
+        after: tuple[str, str] | None = None
+        while True:
+            where, params = _keyset(consumer, after)
+            with self._short(write=False) as run:
+                rows = run.rows(
+                    "SELECT e.consumer, e.key, e.command_id, e.created_at, e.published_at,"
+                    " o.position, o.subject, o.msg_id, o.data, o.headers FROM"
+                    " (SELECT consumer, key, command_id, created_at, published_at"
+                    f" FROM meshforge_effects{where} ORDER BY consumer, key LIMIT ?) e"
+                    " LEFT JOIN meshforge_effect_outputs o"
+                    " ON o.consumer = e.consumer AND o.key = e.key"
+                    " ORDER BY e.consumer, e.key, o.position",
+                    (*params, self.page_size),
+                )
+            records = self._group_effects(rows)
+            yield from records
+            if len(records) < self.page_size:
+                return
+            after = (records[-1].consumer, records[-1].key)
+
+    def _group_effects(self, rows: list[tuple[Any, ...]]) -> list[EffectRecord]:
+        records: list[EffectRecord] = []
+        head: tuple[Any, ...] | None = None
+        outputs: list[StoredOutput] = []
+        d = self._dialect
+        for r in [*rows, None]:
+            if head is not None and (r is None or (r[0], r[1]) != (head[0], head[1])):
+                records.append(
+                    EffectRecord(
+                        consumer=head[0], key=head[1], command_id=head[2],
+                        outputs=tuple(outputs), created_at=d.ts_out(head[3]),
+                        published_at=None if head[4] is None else d.ts_out(head[4]),
+                    )
+                )  # fmt: skip
+                outputs = []
+            if r is None:
+                break
+            head = r
+            if r[5] is not None:
+                outputs.append(output_of(r[5:]))
+        return records
+
+    def inbox_read(
+        self, consumer: str | None = None, *, status: InboxStatus | None = None
+    ) -> Iterator[InboxRecord]:
+        after: tuple[str, str] | None = None
+        while True:
+            where, params = _keyset(consumer, after)
+            if status is not None:
+                where = f"{where} AND status = ?" if where else " WHERE status = ?"
+                params = [*params, status]
+            with self._short(write=False) as run:
+                rows = run.rows(
+                    f"SELECT {INBOX_COLUMNS} FROM meshforge_inbox{where}"
+                    " ORDER BY consumer, key LIMIT ?",
+                    (*params, self.page_size),
+                )
+            records = [inbox_record(self._dialect, r) for r in rows]
+            yield from records
+            if len(records) < self.page_size:
+                return
+            after = (records[-1].consumer, records[-1].key)
+
+    def nodes(self) -> list[NodeInfo]:
+        with self._short(write=False) as run:
+            rows = run.rows(
+                "SELECT site, node, epoch, updated_at FROM meshforge_node_epochs"
+                " ORDER BY site, node"
+            )
+        return [NodeInfo(r[0], r[1], int(r[2]), self._dialect.ts_out(r[3])) for r in rows]
+
+
+def _keyset(consumer: str | None, after: tuple[str, str] | None) -> tuple[str, list[Any]]:
+    """WHERE clause for the next page of a table keyed by (consumer, key)."""
+    clauses: list[str] = []
+    params: list[Any] = []
+    if consumer is not None:
+        clauses.append("consumer = ?")
+        params.append(consumer)
+    if after is not None:
+        clauses.append("(consumer, key) > (?, ?)")
+        params.extend(after)
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params

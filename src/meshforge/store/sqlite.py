@@ -1,0 +1,159 @@
+"""The SQLite backend: the default store, one file beside the program (or in memory).
+
+One connection in WAL mode; a lock lets one thread at a time hold a transaction, and
+``BEGIN IMMEDIATE`` plus ``busy_timeout`` make other processes wait their turn to write.
+Readers in WAL mode never block the writer.
+
+URL query options: ``busy_timeout`` (milliseconds, default 5000) and ``synchronous``
+(``full``, the default, survives power loss; ``normal`` survives a killed process only).
+
+Example::
+
+    store = open_store("sqlite:///.meshforge/store.db?busy_timeout=10000")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
+
+from meshforge.errors import StoreError, one_line
+from meshforge.store.core import Clock, SqlStore
+from meshforge.store.schema import migrate
+from meshforge.store.sql import Cursor, Dialect, sqlite_ts_in, sqlite_ts_out, url_error
+
+PREFIX = "sqlite:///"
+MEMORY = ":memory:"
+# RETURNING and upsert need 3.35.
+_MIN_VERSION = (3, 35, 0)
+
+
+def _to_store_error(exc: Exception) -> StoreError:
+    text = f"sqlite store: {one_line(exc)}"
+    if isinstance(exc, sqlite3.IntegrityError):
+        kind = "duplicate" if "UNIQUE" in str(exc) or "PRIMARY KEY" in str(exc) else "constraint"
+        return StoreError(text, kind=kind)
+    if isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc)):
+        return StoreError(text, kind="busy", retriable=True)
+    return StoreError(text)
+
+
+DIALECT = Dialect(
+    name="sqlite",
+    types={
+        "ts": "TEXT",
+        "blob": "BLOB",
+        "id": "INTEGER PRIMARY KEY AUTOINCREMENT",
+    },
+    ts_in=sqlite_ts_in,
+    ts_out=sqlite_ts_out,
+    to_store_error=_to_store_error,
+    driver_errors=(sqlite3.Error,),
+)
+
+
+def parse_url(url: str) -> tuple[str, int, str]:
+    """``(path or ":memory:", busy_timeout_ms, synchronous)`` from a ``sqlite:///`` URL."""
+    if not url.startswith(PREFIX):
+        raise url_error(url, "a SQLite URL starts with sqlite:/// (three slashes)")
+    parts = urlsplit(url)
+    path = parts.path[1:]
+    if not path:
+        raise url_error(url, "no database path after sqlite:///")
+    busy, synchronous = 5000, "full"
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name == "busy_timeout" and value.isdigit():
+            busy = int(value)
+        elif name == "synchronous" and value.lower() in ("full", "normal"):
+            synchronous = value.lower()
+        else:
+            raise url_error(
+                url,
+                f"unknown option {name}={value!r} (busy_timeout=<ms>, synchronous=full|normal)",
+            )
+    return path, busy, synchronous
+
+
+class SqliteStore(SqlStore):
+    """The store in one SQLite database file (or in memory, for tests)."""
+
+    def __init__(self, url: str, *, clock: Clock | None = None) -> None:
+        super().__init__(url, DIALECT, clock)
+        path, busy_ms, synchronous = parse_url(url)
+        if sqlite3.sqlite_version_info < _MIN_VERSION:
+            raise StoreError(
+                f"SQLite {sqlite3.sqlite_version} is too old for the store; 3.35 or newer needed"
+            )
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        try:
+            if path != MEMORY:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._conn: sqlite3.Connection | None = sqlite3.connect(
+                path, isolation_level=None, check_same_thread=False, timeout=busy_ms / 1000
+            )
+            self._conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
+            if path != MEMORY:
+                self._conn.execute("PRAGMA journal_mode = WAL")
+            self._conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open SQLite store {path!r}: {one_line(exc)}") from exc
+        try:
+            with self._short() as run:
+                migrate(run, DIALECT, self._clock())
+        except BaseException:
+            self._release()
+            raise
+
+    @contextmanager
+    def _session(self, *, write: bool) -> Iterator[Cursor]:
+        me = threading.get_ident()
+        if self._owner == me:
+            raise StoreError(
+                "sqlite store: a transaction is already open in this thread;"
+                " finish it before starting another or calling a store-level method"
+            )
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                raise StoreError("sqlite store is closed", kind="closed")
+            self._owner = me
+            try:
+                self._begin(conn, write)
+                try:
+                    yield conn.cursor()
+                except BaseException:
+                    self._rollback(conn)
+                    raise
+                try:
+                    conn.execute("COMMIT")
+                except sqlite3.Error as exc:
+                    self._rollback(conn)
+                    raise _to_store_error(exc) from exc
+            finally:
+                self._owner = None
+
+    @staticmethod
+    def _begin(conn: sqlite3.Connection, write: bool) -> None:
+        try:
+            # IMMEDIATE takes the write lock up front: no upgrade deadlock mid-transaction.
+            conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+        except sqlite3.Error as exc:
+            raise _to_store_error(exc) from exc
+
+    @staticmethod
+    def _rollback(conn: sqlite3.Connection) -> None:
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+
+    def _release(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None

@@ -1,0 +1,317 @@
+"""``SqlTransaction``: the store's writes inside one database transaction, for both dialects."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+
+from meshforge.errors import StoreError
+from meshforge.store.base import InboxRecord, InboxStatus, NewEvent, StoredOutput
+from meshforge.store.sql import Dialect, Runner, clean_text, dump_headers, load_headers, ts_or_none
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+INBOX_COLUMNS = (
+    "key, consumer, message_id, type, subject, stream, stream_seq, status, attempts, "
+    "deliveries, error, resource_type, resource_id, headers, received_at, processed_at, "
+    "failed_at, created_at, updated_at"
+)
+
+_INBOX_BEGIN = f"""
+INSERT INTO meshforge_inbox (key, consumer, message_id, type, subject, stream, stream_seq,
+    status, attempts, deliveries, resource_type, resource_id, headers, received_at,
+    created_at, updated_at)
+VALUES (?, ?, ?, ?, ?, ?, ?, 'processing', 1, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (key, consumer) DO UPDATE SET
+    attempts = CASE WHEN meshforge_inbox.status = 'processed' THEN meshforge_inbox.attempts
+                    ELSE meshforge_inbox.attempts + 1 END,
+    deliveries = CASE WHEN meshforge_inbox.status = 'processed' THEN meshforge_inbox.deliveries
+                      ELSE excluded.deliveries END,
+    updated_at = CASE WHEN meshforge_inbox.status = 'processed' THEN meshforge_inbox.updated_at
+                      ELSE excluded.updated_at END,
+    status = CASE WHEN meshforge_inbox.status = 'processed' THEN 'processed'
+                  ELSE 'processing' END
+RETURNING {INBOX_COLUMNS}
+"""
+
+# Rows per multi-row INSERT: far below every driver's parameter limit.
+_CHUNK = 100
+
+
+def inbox_record(dialect: Dialect, row: Sequence[Any]) -> InboxRecord:
+    """An ``INBOX_COLUMNS`` row as a record."""
+    return InboxRecord(
+        key=row[0],
+        consumer=row[1],
+        message_id=row[2],
+        type=row[3],
+        subject=row[4],
+        stream=row[5],
+        stream_seq=None if row[6] is None else int(row[6]),
+        status=cast(InboxStatus, row[7]),
+        attempts=int(row[8]),
+        deliveries=int(row[9]),
+        error=row[10],
+        resource_type=row[11],
+        resource_id=row[12],
+        headers=load_headers(row[13]),
+        received_at=dialect.ts_out(row[14]),
+        processed_at=ts_or_none(dialect, row[15]),
+        failed_at=ts_or_none(dialect, row[16]),
+        created_at=dialect.ts_out(row[17]),
+        updated_at=dialect.ts_out(row[18]),
+    )
+
+
+def _spoils(
+    method: Callable[Concatenate[SqlTransaction, P], R],
+) -> Callable[Concatenate[SqlTransaction, P], R]:
+    """Any StoreError from the method spoils the transaction, on every backend alike."""
+
+    @functools.wraps(method)
+    def wrapper(self: SqlTransaction, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(self, *args, **kwargs)
+        except StoreError:
+            self._run.failed = True
+            raise
+
+    return wrapper
+
+
+class SqlTransaction:
+    """The ``Transaction`` protocol over one ``Runner``; see ``meshforge.store.base``."""
+
+    def __init__(self, run: Runner, now: datetime) -> None:
+        self._run = run
+        self._d = run.dialect
+        # One timestamp per transaction: every row it writes agrees on when.
+        self._now = self._d.ts_in(now)
+
+    @property
+    def failed(self) -> bool:
+        return self._run.failed
+
+    @_spoils
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return self._run.rows(sql, params)
+
+    @_spoils
+    def inbox_begin(
+        self,
+        key: str,
+        consumer: str,
+        *,
+        message_id: str | None,
+        type: str | None,
+        subject: str | None,
+        stream: str | None,
+        stream_seq: int | None,
+        deliveries: int,
+        headers: dict[str, str],
+        resource_type: str | None = None,
+        resource_id: str | None = None,
+    ) -> InboxRecord:
+        now = self._now
+        params = (
+            key, consumer, message_id, type, subject, stream, stream_seq, deliveries,
+            resource_type, resource_id, dump_headers(headers), now, now, now,
+        )  # fmt: skip
+        rows = self._run.rows(_INBOX_BEGIN, params)
+        return inbox_record(self._d, rows[0])
+
+    @_spoils
+    def inbox_done(self, key: str, consumer: str) -> None:
+        changed = self._run.count(
+            "UPDATE meshforge_inbox SET status = 'processed', processed_at = ?, error = NULL,"
+            " updated_at = ? WHERE key = ? AND consumer = ?",
+            (self._now, self._now, key, consumer),
+        )
+        self._require(changed, "inbox", consumer, key)
+
+    @_spoils
+    def inbox_failed(self, key: str, consumer: str, error: str) -> None:
+        changed = self._run.count(
+            "UPDATE meshforge_inbox SET status = 'failed', failed_at = ?, error = ?,"
+            " updated_at = ? WHERE key = ? AND consumer = ?",
+            (self._now, clean_text(error), self._now, key, consumer),
+        )
+        self._require(changed, "inbox", consumer, key)
+
+    @_spoils
+    def effect_get(self, consumer: str, key: str) -> list[StoredOutput] | None:
+        rows = self._run.rows(
+            "SELECT o.position, o.subject, o.msg_id, o.data, o.headers"
+            " FROM meshforge_effects e LEFT JOIN meshforge_effect_outputs o"
+            " ON o.consumer = e.consumer AND o.key = e.key"
+            " WHERE e.consumer = ? AND e.key = ? ORDER BY o.position",
+            (consumer, key),
+        )
+        if not rows:
+            return None
+        return [output_of(row) for row in rows if row[0] is not None]
+
+    @_spoils
+    def effect_put(
+        self, consumer: str, key: str, command_id: str, outputs: Sequence[StoredOutput]
+    ) -> None:
+        try:
+            self._run.rows(
+                "INSERT INTO meshforge_effects (consumer, key, command_id, created_at)"
+                " VALUES (?, ?, ?, ?)",
+                (consumer, key, command_id, self._now),
+            )
+        except StoreError as exc:
+            if exc.kind != "duplicate":
+                raise
+            raise StoreError(
+                f"effect of consumer {consumer!r} key {key!r} is already stored;"
+                " storing it again would double the effect",
+                kind="duplicate",
+            ) from exc
+        self._insert_many(
+            "meshforge_effect_outputs (consumer, key, position, subject, msg_id, data, headers)",
+            [
+                (consumer, key, o.position, o.subject, o.msg_id, bytes(o.data),
+                 dump_headers(o.headers))
+                for o in outputs
+            ],
+        )  # fmt: skip
+
+    @_spoils
+    def effect_mark_published(self, consumer: str, key: str) -> None:
+        changed = self._run.count(
+            "UPDATE meshforge_effects SET published_at = ? WHERE consumer = ? AND key = ?",
+            (self._now, consumer, key),
+        )
+        self._require(changed, "effect", consumer, key)
+
+    @_spoils
+    def events_append(self, agent: str, events: Sequence[NewEvent]) -> list[int]:
+        if not events:
+            return []
+        # The head row is locked until commit, so concurrent appends take turns: gapless.
+        head = self._run.rows(
+            "INSERT INTO meshforge_agent_heads (agent, position) VALUES (?, ?)"
+            " ON CONFLICT (agent) DO UPDATE"
+            " SET position = meshforge_agent_heads.position + excluded.position"
+            " RETURNING position",
+            (agent, len(events)),
+        )
+        first = int(head[0][0]) - len(events) + 1
+        positions = list(range(first, first + len(events)))
+        self._insert_many(
+            "meshforge_events (agent, position, event_id, type, resource_id, command_id,"
+            " key, data, ts, stored_at)",
+            [
+                (agent, pos, e.event_id, e.type, e.resource_id, e.command_id, e.key,
+                 bytes(e.data), e.ts, self._now)
+                for pos, e in zip(positions, events, strict=True)
+            ],
+        )  # fmt: skip
+        return positions
+
+    @_spoils
+    def state_get(self, agent: str, resource_id: str) -> bytes | None:
+        if self._d.resource_lock:
+            # Serialises workers on one resource even before its first snapshot exists.
+            self._run.rows(self._d.resource_lock, (f"{agent}\x1f{resource_id}",))
+        rows = self._run.rows(
+            "SELECT data FROM meshforge_states WHERE agent = ? AND resource_id = ?"
+            + self._d.for_update,
+            (agent, resource_id),
+        )
+        return bytes(rows[0][0]) if rows else None
+
+    @_spoils
+    def state_put(self, agent: str, resource_id: str, data: bytes, position: int) -> None:
+        self._run.rows(
+            "INSERT INTO meshforge_states (agent, resource_id, data, position, updated_at)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (agent, resource_id) DO UPDATE"
+            " SET data = excluded.data, position = excluded.position,"
+            " updated_at = excluded.updated_at",
+            (agent, resource_id, bytes(data), position, self._now),
+        )
+
+    @_spoils
+    def outbox_add(self, *, msg_id: str, subject: str, data: bytes, headers: dict[str, str]) -> int:
+        rows = self._run.rows(
+            "INSERT INTO meshforge_outbox (msg_id, subject, data, headers, state, attempts,"
+            " created_at, updated_at) VALUES (?, ?, ?, ?, 'pending', 0, ?, ?) RETURNING id",
+            (msg_id, subject, bytes(data), dump_headers(headers), self._now, self._now),
+        )
+        return int(rows[0][0])
+
+    @_spoils
+    def node_epoch_bump(self, site: str, node: str) -> int:
+        rows = self._run.rows(
+            "INSERT INTO meshforge_node_epochs (site, node, epoch, updated_at)"
+            " VALUES (?, ?, 1, ?) ON CONFLICT (site, node) DO UPDATE"
+            " SET epoch = meshforge_node_epochs.epoch + 1, updated_at = excluded.updated_at"
+            " RETURNING epoch",
+            (site, node, self._now),
+        )
+        return int(rows[0][0])
+
+    @_spoils
+    def node_epoch(self, site: str, node: str) -> int | None:
+        rows = self._run.rows(
+            "SELECT epoch FROM meshforge_node_epochs WHERE site = ? AND node = ?", (site, node)
+        )
+        return int(rows[0][0]) if rows else None
+
+    @_spoils
+    def node_reply_get(self, site: str, node: str, command_id: str) -> bytes | None:
+        rows = self._run.rows(
+            "SELECT reply FROM meshforge_node_replies"
+            " WHERE site = ? AND node = ? AND command_id = ?",
+            (site, node, command_id),
+        )
+        return bytes(rows[0][0]) if rows else None
+
+    @_spoils
+    def node_reply_put(self, site: str, node: str, command_id: str, reply: bytes) -> None:
+        try:
+            self._run.rows(
+                "INSERT INTO meshforge_node_replies (site, node, command_id, reply, created_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (site, node, command_id, bytes(reply), self._now),
+            )
+        except StoreError as exc:
+            if exc.kind != "duplicate":
+                raise
+            raise StoreError(
+                f"reply of node {site}.{node} to command {command_id!r} is already stored",
+                kind="duplicate",
+            ) from exc
+
+    def _insert_many(self, target: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        if not rows:
+            return
+        group = "(" + ", ".join("?" * len(rows[0])) + ")"
+        for start in range(0, len(rows), _CHUNK):
+            chunk = rows[start : start + _CHUNK]
+            values = ", ".join([group] * len(chunk))
+            params = [value for row in chunk for value in row]
+            self._run.rows(f"INSERT INTO {target} VALUES {values}", params)
+
+    @staticmethod
+    def _require(changed: int, what: str, consumer: str, key: str) -> None:
+        if changed == 0:
+            raise StoreError(
+                f"no {what} row for consumer {consumer!r} key {key!r}", kind="not_found"
+            )
+
+
+def output_of(row: Sequence[Any]) -> StoredOutput:
+    """A (position, subject, msg_id, data, headers) row as a ``StoredOutput``."""
+    return StoredOutput(
+        position=int(row[0]),
+        subject=row[1],
+        msg_id=row[2],
+        data=bytes(row[3]),
+        headers=load_headers(row[4]),
+    )
