@@ -1,0 +1,510 @@
+"""Provisioning: compare stream and consumer specs with the server, then act.
+
+``plan`` reads the server and says, for each spec, create / update (with a field-by-field
+diff) / unchanged / refused (and why). It refuses what JetStream cannot change in place
+(retention, storage, a consumer's ack or deliver policy), a stream whose subjects overlap
+another stream's (existing or planned, naming both), and a consumer whose filter overlaps
+another consumer's on a work-queue stream. ``apply`` executes a plan with no refusals and,
+if it fails half-way, says exactly what was and was not done. ``ensure`` is both.
+``verify`` is for runtimes without JetStream API write permission: it only reads.
+
+Example::
+
+    planned = await plan(js, default_streams(settings), [agent_consumer("order", settings)])
+    for step in planned.steps:
+        print(step.action, step.kind, step.name, step.details)
+    report = await apply(js, planned)      # report.changed is False on a second run
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamManager
+from nats.js.api import ConsumerConfig, StreamConfig
+from nats.js.errors import NotFoundError
+
+from meshforge.errors import MissingTopology, OverlapError, TopologyError, one_line
+from meshforge.subjects import find_overlaps, overlaps
+from meshforge.topology import ConsumerSpec, StreamSpec
+
+__all__ = [
+    "Action",
+    "ApplyReport",
+    "Change",
+    "Plan",
+    "Step",
+    "Verification",
+    "apply",
+    "ensure",
+    "plan",
+    "verify",
+]
+
+log = logging.getLogger("meshforge.provision")
+
+
+class Action(StrEnum):
+    CREATE = "create"
+    UPDATE = "update"
+    UNCHANGED = "unchanged"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One field that differs: ``max_age 1d -> 2d``."""
+
+    field: str
+    current: str
+    desired: str
+
+    def __str__(self) -> str:
+        return f"{self.field} {self.current} -> {self.desired}"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What the plan does with one stream or consumer, and why."""
+
+    kind: Literal["stream", "consumer"]
+    spec: StreamSpec | ConsumerSpec
+    action: Action
+    changes: tuple[Change, ...] = ()
+    reason: str = ""
+    overlap: bool = False
+    current: StreamConfig | ConsumerConfig | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def details(self) -> str:
+        """The reason (refused), the diff (update), a summary (create) or nothing."""
+        if self.action is Action.REFUSED:
+            return self.reason
+        if self.action is Action.UPDATE:
+            return "; ".join(str(c) for c in self.changes)
+        if self.action is Action.CREATE:
+            return _summary(self.spec)
+        return ""
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.kind} {self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Every step, streams first, in the order they are applied."""
+
+    steps: tuple[Step, ...]
+
+    @property
+    def pending(self) -> tuple[Step, ...]:
+        return tuple(s for s in self.steps if s.action in (Action.CREATE, Action.UPDATE))
+
+    @property
+    def refused(self) -> tuple[Step, ...]:
+        return tuple(s for s in self.steps if s.action is Action.REFUSED)
+
+    @property
+    def has_changes(self) -> bool:
+        return bool(self.pending)
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyReport:
+    """The plan's steps and those applied; ``changed`` is False when all were unchanged."""
+
+    steps: tuple[Step, ...]
+    applied: tuple[Step, ...]
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.applied)
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """What ``verify`` found present, and what it could not check (with the reason)."""
+
+    present: tuple[str, ...]
+    unverified: tuple[str, ...] = ()
+    reason: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return not self.unverified
+
+
+# ------------------------------------------------------------------ formatting
+
+
+def _duration(seconds: float | None) -> str:
+    seconds = float(seconds or 0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    if seconds >= 1:
+        return f"{seconds:g}s"
+    return f"{seconds * 1000:g}ms"
+
+
+def _value(x: Any) -> str:
+    return str(getattr(x, "value", x))
+
+
+def _stream_view(cfg: StreamConfig) -> dict[str, str]:
+    return {
+        "subjects": ", ".join(sorted(cfg.subjects or [])),
+        "retention": _value(cfg.retention),
+        "storage": _value(cfg.storage),
+        "discard": _value(cfg.discard),
+        "duplicate_window": _duration(cfg.duplicate_window),
+        "replicas": str(cfg.num_replicas or 1),
+        "max_age": _duration(cfg.max_age) if cfg.max_age else "unlimited",
+        "max_bytes": str(cfg.max_bytes) if cfg.max_bytes and cfg.max_bytes > 0 else "unlimited",
+    }
+
+
+def _consumer_view(cfg: ConsumerConfig) -> dict[str, str]:
+    filters = [cfg.filter_subject] if cfg.filter_subject else list(cfg.filter_subjects or [])
+    max_deliver = cfg.max_deliver if cfg.max_deliver is not None else -1
+    return {
+        "filter_subject": ", ".join(filters) or "(all)",
+        "ack_wait": _duration(cfg.ack_wait),
+        "max_deliver": str(max_deliver) if max_deliver > 0 else "unlimited",
+        "backoff": ",".join(_duration(b) for b in cfg.backoff or []) or "none",
+    }
+
+
+def _summary(spec: StreamSpec | ConsumerSpec) -> str:
+    if isinstance(spec, StreamSpec):
+        view = _stream_view(spec.config())
+    else:
+        view = _consumer_view(spec.config())
+    return "; ".join(f"{k} {v}" for k, v in view.items())
+
+
+def _diff(current: dict[str, str], desired: dict[str, str]) -> tuple[Change, ...]:
+    return tuple(Change(k, current[k], v) for k, v in desired.items() if current[k] != v)
+
+
+# ------------------------------------------------------------------ reading the server
+
+
+async def _existing_streams(js: JetStreamManager) -> dict[str, StreamConfig]:
+    found: dict[str, StreamConfig] = {}
+    while True:
+        page = await js.streams_info_iterator(len(found))
+        infos = list(page)
+        found.update((str(info.config.name), info.config) for info in infos)
+        if not infos or len(found) >= getattr(page, "total", 0):
+            return found
+
+
+async def _existing_consumers(js: JetStreamManager, stream: str) -> dict[str, ConsumerConfig]:
+    found: dict[str, ConsumerConfig] = {}
+    while True:
+        infos = await js.consumers_info(stream, len(found))
+        found.update((info.name, info.config) for info in infos)
+        if not infos:
+            return found
+
+
+def _unique(names: Sequence[str], what: str) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise TopologyError(f"{what} {name} is specified twice")
+        seen.add(name)
+
+
+async def plan(
+    js: JetStreamManager, streams: Sequence[StreamSpec], consumers: Sequence[ConsumerSpec] = ()
+) -> Plan:
+    """Compare the specs with the server (read-only) and return the steps to take."""
+    _unique([s.name for s in streams], "stream")
+    _unique([c.name for c in consumers], "consumer")
+    try:
+        existing = await _existing_streams(js)
+        consumers_now = {
+            name: await _existing_consumers(js, name)
+            for name in sorted({c.stream for c in consumers} & set(existing))
+        }
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # nats errors of every kind: one line naming the failure
+        raise TopologyError(f"cannot read the JetStream topology: {one_line(exc, 300)}") from exc
+    steps = [_plan_stream(spec, existing, streams) for spec in streams]
+    stream_subjects = {name: list(cfg.subjects or []) for name, cfg in existing.items()}
+    retention = {name: _value(cfg.retention) for name, cfg in existing.items()}
+    for stream_spec in streams:
+        stream_subjects[stream_spec.name] = list(stream_spec.subjects)
+        retention[stream_spec.name] = stream_spec.retention
+    for consumer_spec in consumers:
+        steps.append(
+            _plan_consumer(consumer_spec, stream_subjects, retention, consumers_now, consumers)
+        )
+    return Plan(tuple(steps))
+
+
+def _plan_stream(
+    spec: StreamSpec, existing: dict[str, StreamConfig], planned: Sequence[StreamSpec]
+) -> Step:
+    others = {name: list(cfg.subjects or []) for name, cfg in existing.items() if name != spec.name}
+    for other in planned:
+        if other.name != spec.name:
+            others[other.name] = list(other.subjects)  # the planned form replaces the present one
+    for other_name, subjects in sorted(others.items()):
+        pairs = find_overlaps(spec.subjects, subjects)
+        if pairs:
+            mine, theirs = pairs[0]
+            reason = (
+                f"subjects overlap stream {other_name}: {mine!r} ({spec.name}) and {theirs!r} "
+                f"({other_name}) would capture the same messages"
+            )
+            return Step("stream", spec, Action.REFUSED, reason=reason, overlap=True)
+    current = existing.get(spec.name)
+    if current is None:
+        return Step("stream", spec, Action.CREATE)
+    if current.mirror is not None or current.sealed:
+        what = "a mirror" if current.mirror is not None else "sealed"
+        return Step(
+            "stream", spec, Action.REFUSED, reason=f"the existing stream is {what}", current=current
+        )
+    changes = _diff(_stream_view(current), _stream_view(spec.config()))
+    fixed = [c for c in changes if c.field in ("retention", "storage")]
+    if fixed:
+        what = ", ".join(str(c) for c in fixed)
+        reason = (
+            f"JetStream cannot change a stream's {' or '.join(c.field for c in fixed)} ({what}); "
+            "delete the stream (its messages are lost) and provision again"
+        )
+        return Step("stream", spec, Action.REFUSED, changes, reason=reason, current=current)
+    action = Action.UPDATE if changes else Action.UNCHANGED
+    return Step("stream", spec, action, changes, current=current)
+
+
+def _plan_consumer(
+    spec: ConsumerSpec,
+    stream_subjects: dict[str, list[str]],
+    retention: dict[str, str],
+    consumers_now: dict[str, dict[str, ConsumerConfig]],
+    planned: Sequence[ConsumerSpec],
+) -> Step:
+    def refuse(
+        reason: str, *, overlap: bool = False, current: ConsumerConfig | None = None
+    ) -> Step:
+        return Step(
+            "consumer", spec, Action.REFUSED, reason=reason, overlap=overlap, current=current
+        )
+
+    subjects = stream_subjects.get(spec.stream)
+    if subjects is None:
+        return refuse(f"stream {spec.stream} neither exists nor is planned")
+    if not any(overlaps(spec.filter_subject, s) for s in subjects):
+        return refuse(
+            f"filter {spec.filter_subject!r} is outside stream {spec.stream}'s subjects ({', '.join(subjects)})"
+        )
+    present = consumers_now.get(spec.stream, {})
+    if retention.get(spec.stream) == "workqueue":
+        # A work-queue stream hands each message to one consumer: filters must not overlap.
+        others = {
+            n: _consumer_view(c)["filter_subject"] for n, c in present.items() if n != spec.durable
+        }
+        others.update(
+            {
+                c.durable: c.filter_subject
+                for c in planned
+                if c.stream == spec.stream and c.durable != spec.durable
+            }
+        )
+        for name, other_filter in sorted(others.items()):
+            pattern = ">" if other_filter == "(all)" else other_filter
+            if any(overlaps(spec.filter_subject, f.strip()) for f in pattern.split(",")):
+                return refuse(
+                    f"filter {spec.filter_subject!r} overlaps consumer {name} ({other_filter!r}) on "
+                    f"work-queue stream {spec.stream}",
+                    overlap=True,
+                )
+    current = present.get(spec.durable)
+    if current is None:
+        return Step("consumer", spec, Action.CREATE)
+    fixed = []
+    if _value(current.ack_policy) != "explicit":
+        fixed.append(f"ack_policy {_value(current.ack_policy)} -> explicit")
+    if _value(current.deliver_policy) != "all":
+        fixed.append(f"deliver_policy {_value(current.deliver_policy)} -> all")
+    if current.deliver_subject:
+        fixed.append("push -> pull")
+    if fixed:
+        return refuse(
+            f"JetStream cannot change a consumer's {'; '.join(fixed)}; delete the consumer "
+            "(its delivery state is lost) and provision again",
+            current=current,
+        )
+    changes = _diff(_consumer_view(current), _consumer_view(spec.config()))
+    action = Action.UPDATE if changes else Action.UNCHANGED
+    return Step("consumer", spec, action, changes, current=current)
+
+
+# ------------------------------------------------------------------ applying
+
+
+def _own_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    """Metadata without the server's reserved ``_nats.`` keys (it sets those itself)."""
+    if not metadata:
+        return None
+    kept = {k: v for k, v in metadata.items() if not k.startswith("_nats.")}
+    return kept or None
+
+
+async def _execute(js: JetStreamManager, step: Step) -> None:
+    spec = step.spec
+    if isinstance(spec, StreamSpec):
+        wanted = spec.config()
+        if step.action is Action.CREATE:
+            await js.add_stream(wanted)
+            return
+        assert isinstance(step.current, StreamConfig)
+        managed = (
+            "subjects",
+            "discard",
+            "duplicate_window",
+            "num_replicas",
+            "max_age",
+            "max_bytes",
+        )
+        updated = step.current.evolve(
+            metadata=_own_metadata(step.current.metadata),
+            **{k: getattr(wanted, k) for k in managed},
+        )
+        await js.update_stream(updated)
+        return
+    config = spec.config()
+    if step.action is Action.UPDATE:
+        assert isinstance(step.current, ConsumerConfig)
+        config = step.current.evolve(
+            name=None,  # the durable name selects the consumer; a name would put the filter in the API subject
+            metadata=_own_metadata(step.current.metadata),
+            filter_subject=config.filter_subject,
+            ack_wait=config.ack_wait,
+            max_deliver=config.max_deliver,
+            backoff=config.backoff,
+        )
+    await js.add_consumer(spec.stream, config)
+
+
+async def apply(js: JetStreamManager, planned: Plan) -> ApplyReport:
+    """Execute a plan. Refuses the whole plan if any step is refused (nothing is changed).
+
+    Raises ``OverlapError`` when a refusal is an overlap, ``TopologyError`` otherwise, and
+    ``TopologyError`` naming what was done and what was not if a step fails half-way.
+    """
+    if planned.refused:
+        reasons = "; ".join(f"{s.kind} {s.name}: {s.reason}" for s in planned.refused)
+        error = OverlapError if any(s.overlap for s in planned.refused) else TopologyError
+        raise error(f"refusing to provision, nothing was changed: {reasons}")
+    done: list[Step] = []
+    pending = planned.pending
+    for index, step in enumerate(pending):
+        try:
+            await _execute(js, step)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any server or transport error stops the run here
+            not_done = ", ".join(str(s) for s in pending[index + 1 :]) or "nothing else"
+            raise TopologyError(
+                f"{step} failed: {one_line(exc, 300)}; done: "
+                f"{', '.join(str(s) for s in done) or 'nothing'}; not done: {step}, {not_done}"
+            ) from exc
+        log.info("provisioned: %s %s", step, step.details)
+        done.append(step)
+    return ApplyReport(planned.steps, tuple(done))
+
+
+async def ensure(
+    js: JetStreamManager, streams: Sequence[StreamSpec], consumers: Sequence[ConsumerSpec] = ()
+) -> ApplyReport:
+    """Plan and apply: idempotent; a second run on an unchanged server changes nothing.
+
+    Example::
+
+        report = await ensure(conn.js, default_streams(settings), [agent_consumer("order", settings)])
+    """
+    return await apply(js, await plan(js, streams, consumers))
+
+
+# ------------------------------------------------------------------ least privilege
+
+
+def _permission_error(js: JetStreamManager) -> str | None:
+    nc = getattr(js, "_nc", None)
+    last = getattr(nc, "last_error", None)
+    text = str(last) if last is not None else ""
+    return text if "permissions violation" in text.lower() else None
+
+
+async def verify(
+    js: JetStreamManager,
+    streams: Sequence[StreamSpec],
+    consumers: Sequence[ConsumerSpec] = (),
+    *,
+    request_timeout: float = 2.0,
+) -> Verification:
+    """Check, with info requests only, that every stream and consumer exists.
+
+    Raises ``MissingTopology`` naming each one missing. When even info requests are
+    denied (or unanswered), returns a ``Verification`` whose ``reason`` says so and whose
+    ``unverified`` lists what could not be checked; the caller decides whether to go on.
+    """
+    checks: list[tuple[str, str, str | None]] = [("stream", s.name, None) for s in streams]
+    checks += [("consumer", c.stream, c.durable) for c in consumers]
+    present: list[str] = []
+    missing: list[str] = []
+    missing_streams: set[str] = set()
+    for index, (kind, stream, durable) in enumerate(checks):
+        label = f"{kind} {stream}" + (f"/{durable}" if durable else "")
+        if durable and stream in missing_streams:
+            missing.append(label)
+            continue
+        try:
+            if durable is None:
+                await asyncio.wait_for(js.stream_info(stream), request_timeout)
+            else:
+                await asyncio.wait_for(js.consumer_info(stream, durable), request_timeout)
+        except NotFoundError:
+            missing.append(label)
+            if durable is None:
+                missing_streams.add(stream)
+            continue
+        except (TimeoutError, NatsTimeout, NoRespondersError) as exc:
+            denied = _permission_error(js)
+            reason = (
+                f"JetStream info requests are denied ({denied})"
+                if denied
+                else f"JetStream info requests went unanswered ({one_line(exc, 200)})"
+            )
+            unverified = tuple(f"{k} {s}" + (f"/{d}" if d else "") for k, s, d in checks[index:])
+            if missing:
+                break
+            log.warning("cannot verify topology: %s; unchecked: %s", reason, ", ".join(unverified))
+            return Verification(tuple(present), unverified, reason)
+        except Exception as exc:  # e.g. JetStream disabled: one line naming the check
+            raise TopologyError(f"cannot check {label}: {one_line(exc, 300)}") from exc
+        present.append(label)
+    if missing:
+        raise MissingTopology(
+            f"missing JetStream topology: {', '.join(missing)}; run `meshforge provision` "
+            "with an account allowed to create them"
+        )
+    return Verification(tuple(present))

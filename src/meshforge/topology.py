@@ -1,0 +1,272 @@
+"""Stream and consumer specs: the five CONTRACT streams and the agent and node consumers.
+
+A spec says what should exist; ``meshforge.provision`` compares it with the server and
+creates, updates or refuses (``plan`` / ``apply`` / ``ensure`` / ``verify`` are re-exported
+here for convenience).
+
+Example::
+
+    settings = load_settings()
+    streams = default_streams(settings)
+    consumers = [agent_consumer("order", settings), node_consumer("lab1", "node7", settings)]
+    report = await ensure(conn.js, streams, consumers)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from meshforge.config import Settings
+from meshforge.errors import TopologyError
+from meshforge.subjects import (
+    STREAM_COMMANDS,
+    STREAM_CONTROL,
+    STREAM_EVENTS,
+    STREAM_FAILED,
+    STREAM_REPLIES,
+    control_command_subject,
+    validate_subject,
+    validate_token,
+)
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamManager
+
+    from meshforge.provision import ApplyReport, Plan, Verification
+
+__all__ = [
+    "ConsumerSpec",
+    "StreamSpec",
+    "agent_consumer",
+    "apply",
+    "default_streams",
+    "ensure",
+    "node_consumer",
+    "plan",
+    "verify",
+]
+
+Retention = Literal["limits", "workqueue", "interest"]
+Storage = Literal["file", "memory"]
+Discard = Literal["old", "new"]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    """What one stream should look like. ``max_age`` 0 and ``max_bytes`` -1 mean unlimited.
+
+    >>> StreamSpec("ORDERS", ("orders.>",)).retention
+    'limits'
+    """
+
+    name: str
+    subjects: tuple[str, ...]
+    retention: Retention = "limits"
+    storage: Storage = "file"
+    duplicate_window: float = 120.0
+    replicas: int = 1
+    max_age: float = 0.0
+    max_bytes: int = -1
+    discard: Discard = "old"
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for subject in self.subjects:
+            validate_subject(subject, wildcards=True)
+
+    def config(self) -> StreamConfig:
+        """The nats-py ``StreamConfig`` that creates this stream."""
+        return StreamConfig(
+            name=self.name,
+            description=self.description or None,
+            subjects=list(self.subjects),
+            retention=RetentionPolicy(self.retention),
+            storage=StorageType(self.storage),
+            discard=DiscardPolicy(self.discard),
+            duplicate_window=self.duplicate_window,
+            num_replicas=self.replicas,
+            max_age=self.max_age,
+            max_bytes=self.max_bytes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerSpec:
+    """A durable pull consumer with explicit acks, delivering from the stream's start.
+
+    ``max_deliver`` -1 is unlimited. With a ``backoff`` the server times out each
+    delivery after its backoff entry (``ack_wait`` is then only the first entry's
+    fallback): a long handler must signal progress (``in_progress``).
+    """
+
+    stream: str
+    durable: str
+    filter_subject: str
+    ack_wait: float = 30.0
+    max_deliver: int = -1
+    backoff: tuple[float, ...] = ()
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        validate_subject(self.filter_subject, wildcards=True)
+        if self.backoff and 0 < self.max_deliver <= len(self.backoff):
+            # Server rule: MaxDeliver must exceed the number of backoff entries.
+            raise TopologyError(
+                f"consumer {self.durable}: max_deliver ({self.max_deliver}) must exceed "
+                f"the {len(self.backoff)} backoff entries"
+            )
+
+    @property
+    def name(self) -> str:
+        """``STREAM/durable``, how plans and errors name a consumer."""
+        return f"{self.stream}/{self.durable}"
+
+    @property
+    def effective_ack_wait(self) -> float:
+        """The ack wait the server records: the first backoff entry when there is a backoff."""
+        return self.backoff[0] if self.backoff else self.ack_wait
+
+    def config(self) -> ConsumerConfig:
+        """The nats-py ``ConsumerConfig`` that creates this consumer."""
+        return ConsumerConfig(
+            durable_name=self.durable,
+            description=self.description or None,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            filter_subject=self.filter_subject,
+            ack_wait=self.effective_ack_wait,
+            max_deliver=self.max_deliver,
+            backoff=list(self.backoff) or None,
+        )
+
+
+def default_streams(settings: Settings) -> list[StreamSpec]:
+    """The five CONTRACT streams, sized by ``settings`` (storage, replicas, limits).
+
+    Work-queue streams and the dead letters refuse new messages when full
+    (``discard new``) rather than drop unprocessed ones; events and replies drop the oldest.
+    """
+
+    def spec(
+        name: str, subject: str, retention: Retention, discard: Discard, what: str
+    ) -> StreamSpec:
+        return StreamSpec(
+            name=name,
+            subjects=(subject,),
+            retention=retention,
+            storage=settings.storage,
+            duplicate_window=settings.duplicate_window,
+            replicas=settings.replicas,
+            max_age=settings.max_age,
+            max_bytes=settings.max_bytes,
+            discard=discard,
+            description=f"MeshForge {what}",
+        )
+
+    return [
+        spec(STREAM_COMMANDS, "cmd.>", "workqueue", "new", "commands to agents"),
+        spec(STREAM_EVENTS, "evt.>", "limits", "old", "events from agents"),
+        spec(STREAM_FAILED, "failed.>", "limits", "new", "dead letters"),
+        spec(STREAM_CONTROL, "control.cmd.>", "workqueue", "new", "node mailboxes"),
+        spec(STREAM_REPLIES, "control.reply.>", "limits", "old", "node replies"),
+    ]
+
+
+def agent_consumer(
+    agent: str, settings: Settings, tenant: str | None = None, namespace: str | None = None
+) -> ConsumerSpec:
+    """``<agent>_consumer`` on MESHFORGE_COMMANDS, filtered ``cmd.<tenant|*>.<namespace|*>.<agent>.>``.
+
+    MaxDeliver is ``settings.max_deliver + 1``: the extra delivery is reserved for
+    dead-lettering, so a worker killed during its last real attempt still yields a dead
+    letter instead of the message silently expiring from the consumer.
+
+    >>> agent_consumer("order", Settings()).filter_subject
+    'cmd.*.*.order.>'
+    """
+    validate_token(agent, "agent name")
+    tenant = tenant or settings.tenant or "*"
+    namespace = namespace or settings.namespace or "*"
+    max_deliver = settings.max_deliver + 1
+    return ConsumerSpec(
+        stream=STREAM_COMMANDS,
+        durable=f"{agent}_consumer",
+        filter_subject=f"cmd.{tenant}.{namespace}.{agent}.>",
+        ack_wait=settings.ack_wait,
+        max_deliver=max_deliver,
+        # Server rule: fewer backoff entries than MaxDeliver; the tail would never be used.
+        backoff=settings.backoff[: max_deliver - 1],
+        description=f"MeshForge agent {agent}",
+    )
+
+
+def node_consumer(site: str, node: str, settings: Settings) -> ConsumerSpec:
+    """``node_<site>_<node>`` on MESHFORGE_CONTROL, filtered ``control.cmd.<site>.<node>``.
+
+    >>> node_consumer("lab1", "node7", Settings()).durable
+    'node_lab1_node7'
+    """
+    return ConsumerSpec(
+        stream=STREAM_CONTROL,
+        durable=f"node_{site}_{node}",
+        filter_subject=control_command_subject(site, node),
+        ack_wait=settings.ack_wait,
+        # Unlimited: a command waiting for its not_before is nak'ed with a delay many
+        # times; the server must not count those, so the node counts real attempts itself.
+        max_deliver=-1,
+        backoff=(),
+        description=f"MeshForge node {site}.{node}",
+    )
+
+
+# Provisioning lives in meshforge.provision; these wrappers keep one import for callers.
+
+
+async def plan(
+    js: JetStreamManager, streams: Sequence[StreamSpec], consumers: Sequence[ConsumerSpec] = ()
+) -> Plan:
+    """See ``meshforge.provision.plan``."""
+    from meshforge import provision
+
+    return await provision.plan(js, streams, consumers)
+
+
+async def apply(js: JetStreamManager, planned: Plan) -> ApplyReport:
+    """See ``meshforge.provision.apply``."""
+    from meshforge import provision
+
+    return await provision.apply(js, planned)
+
+
+async def ensure(
+    js: JetStreamManager, streams: Sequence[StreamSpec], consumers: Sequence[ConsumerSpec] = ()
+) -> ApplyReport:
+    """See ``meshforge.provision.ensure``."""
+    from meshforge import provision
+
+    return await provision.ensure(js, streams, consumers)
+
+
+async def verify(
+    js: JetStreamManager,
+    streams: Sequence[StreamSpec],
+    consumers: Sequence[ConsumerSpec] = (),
+    *,
+    request_timeout: float = 2.0,
+) -> Verification:
+    """See ``meshforge.provision.verify``."""
+    from meshforge import provision
+
+    return await provision.verify(js, streams, consumers, request_timeout=request_timeout)
