@@ -1,23 +1,60 @@
-"""Metrics, logs and tracing hooks.
+"""Metrics, logs and tracing hooks, and the /healthz /readyz /metrics endpoint.
 
 ``Metrics`` holds every Prometheus series MeshForge exports, in its own registry so
 several runtimes (and tests) in one process do not collide. Pass one ``Metrics`` to
 the publisher, consumer and engine; ``Metrics.default()`` is the process-wide one.
+``configure_logging`` sets up (JSON) logs whose records carry the current trace and
+span ids; ``consumer_span`` / ``inject_trace`` carry W3C trace context through message
+headers with opentelemetry-api (a no-op without an SDK); ``serve_http`` exposes health,
+readiness and metrics over HTTP.
 
 Example::
 
     metrics = Metrics()
     metrics.published.labels(stream="MESHFORGE_EVENTS").inc()
     print(metrics.render().decode())
+    configure_logging("INFO", json=True)
+    endpoint = await serve_http("127.0.0.1", 9100, metrics, conn.health, lambda: True)
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import asyncio
+import contextlib
+import json as jsonlib
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from contextvars import ContextVar
+from datetime import UTC, datetime
+from typing import Any, ClassVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-__all__ = ["Metrics"]
+from meshforge.envelope import parse_traceparent
+
+__all__ = [
+    "HttpEndpoint",
+    "JsonFormatter",
+    "Metrics",
+    "TraceFilter",
+    "bind_trace",
+    "configure_logging",
+    "consumer_span",
+    "current_trace",
+    "extract_context",
+    "inject_trace",
+    "serve_http",
+]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -78,3 +115,235 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
         return generate_latest(self.registry)
+
+
+# ------------------------------------------------------------------ trace context
+# A message's trace ids when no OpenTelemetry span carries them (e.g. a decode failure).
+_bound_trace: ContextVar[tuple[str, str] | None] = ContextVar("meshforge_trace", default=None)
+_TRACER_NAME = "meshforge"
+
+
+def current_trace() -> tuple[str, str] | None:
+    """``(trace_id, span_id)`` as 32 and 16 hex digits: the current valid span's, else the
+    ids bound with ``bind_trace``, else None."""
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
+    return _bound_trace.get()
+
+
+@contextlib.contextmanager
+def bind_trace(trace_id: str | None, span_id: str | None) -> Iterator[None]:
+    """Make log records inside the block carry these ids (when no span is current)."""
+    token = _bound_trace.set((trace_id, span_id) if trace_id and span_id else None)
+    try:
+        yield
+    finally:
+        _bound_trace.reset(token)
+
+
+def extract_context(headers: Mapping[str, str] | None) -> Any:
+    """The OpenTelemetry context carried by message headers (``traceparent``)."""
+    carrier = {k.lower(): v for k, v in (headers or {}).items()}
+    return propagate.extract(carrier)
+
+
+def inject_trace(headers: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """Write the current span's ``traceparent`` into ``headers`` (when a span is current).
+
+    Example: ``headers = inject_trace(dict(env.headers()))`` before publishing.
+    """
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    if parse_traceparent(carrier.get("traceparent")):
+        headers.update(carrier)
+    return headers
+
+
+@contextlib.contextmanager
+def consumer_span(
+    name: str, headers: Mapping[str, str] | None, attributes: Mapping[str, Any] | None = None
+) -> Iterator[Span]:
+    """A CONSUMER span around a handler, child of the message's ``traceparent``.
+
+    Without an OpenTelemetry SDK the span records nothing, but it still makes the
+    message's trace the current one, so logs inside carry its ids.
+
+    Example::
+
+        with consumer_span("cmd.default.demo.order.create process", msg.headers):
+            await handler(delivery)
+    """
+    tracer = trace.get_tracer(_TRACER_NAME)
+    with tracer.start_as_current_span(
+        name,
+        context=extract_context(headers),
+        kind=SpanKind.CONSUMER,
+        attributes=dict(attributes or {}),
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            if span.is_recording():
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+
+
+# ------------------------------------------------------------------------ logging
+_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class TraceFilter(logging.Filter):
+    """Puts ``trace_id`` and ``span_id`` (or None) on every record it sees."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ids = current_trace()
+        if not hasattr(record, "trace_id") or record.trace_id is None:
+            record.trace_id = ids[0] if ids else None
+        if not hasattr(record, "span_id") or record.span_id is None:
+            record.span_id = ids[1] if ids else None
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, message, trace_id, span_id, extras."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "trace_id": getattr(record, "trace_id", None),
+            "span_id": getattr(record, "span_id", None),
+        }
+        for key, value in vars(record).items():
+            if key not in _RESERVED and key not in out:
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return jsonlib.dumps(out, default=str, ensure_ascii=False)
+
+
+_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [trace=%(trace_id)s] %(message)s"
+
+
+def configure_logging(
+    level: str | int = "INFO", json: bool = False, *, stream: Any = None
+) -> logging.Handler:
+    """Send logs to stderr (or ``stream``), as JSON lines when ``json``; every record
+    carries ``trace_id``/``span_id``. Replaces the handler a previous call installed.
+
+    Example: ``configure_logging(settings.log_level, settings.log_json)``
+    """
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "_meshforge", False)]:
+        root.removeHandler(old)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler._meshforge = True  # type: ignore[attr-defined]  # marks our own handler
+    handler.addFilter(TraceFilter())
+    handler.setFormatter(JsonFormatter() if json else logging.Formatter(_TEXT_FORMAT))
+    root.addHandler(handler)
+    root.setLevel(level.upper() if isinstance(level, str) else level)
+    return handler
+
+
+# ------------------------------------------------------------- the HTTP endpoint
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+_READ_TIMEOUT = 5.0
+_log = logging.getLogger("meshforge.observability")
+
+
+class HttpEndpoint:
+    """A running /healthz /readyz /metrics server; ``port`` is the bound port."""
+
+    def __init__(self, server: asyncio.Server) -> None:
+        self._server = server
+        self.port: int = server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        """Stop listening and close open connections."""
+        self._server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._server.wait_closed(), 2.0)
+
+
+def _healthy(report: Mapping[str, Any]) -> bool:
+    if "ok" in report:
+        return bool(report["ok"])
+    return bool(report.get("state", "connected") == "connected")
+
+
+async def serve_http(
+    host: str,
+    port: int,
+    metrics: Metrics,
+    health: Callable[[], Awaitable[dict[str, Any]]],
+    ready: Callable[[], bool],
+) -> HttpEndpoint:
+    """Serve ``/healthz`` (JSON from ``health()``; 503 when it has ``ok: false`` or a
+    ``state`` other than ``connected``), ``/readyz`` (200 when ``ready()``, else 503) and
+    ``/metrics`` (Prometheus text). Port 0 picks a free port.
+
+    Example::
+
+        endpoint = await serve_http("0.0.0.0", 9100, metrics, conn.health, consumer.ready.is_set)
+        ...
+        await endpoint.close()
+    """
+
+    async def answer(path: str) -> tuple[int, str, bytes]:
+        if path == "/metrics":
+            return 200, CONTENT_TYPE_LATEST, metrics.render()
+        if path == "/healthz":
+            try:
+                report = dict(await health())
+                code = 200 if _healthy(report) else 503
+            except Exception as exc:  # a failing check is an unhealthy answer, not a crash
+                report, code = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, 503
+            body = jsonlib.dumps(report, default=str).encode()
+            return code, "application/json", body
+        if path == "/readyz":
+            try:
+                is_ready = bool(ready())
+            except Exception:  # same: not ready
+                is_ready = False
+            body = jsonlib.dumps({"ready": is_ready}).encode()
+            return (200 if is_ready else 503), "application/json", body
+        return 404, "text/plain; charset=utf-8", b"not found\n"
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(_READ_TIMEOUT):
+                request = await reader.readline()
+                while await reader.readline() not in (b"\r\n", b"\n", b""):
+                    pass  # headers are not needed
+            parts = request.decode("latin-1").split()
+            if len(parts) < 2:
+                return
+            method, path = parts[0], parts[1].split("?", 1)[0]
+            if method not in ("GET", "HEAD"):
+                code, ctype, body = 405, "text/plain; charset=utf-8", b"method not allowed\n"
+            else:
+                code, ctype, body = await answer(path)
+            head = (
+                f"HTTP/1.1 {code} {_REASONS.get(code, 'Error')}\r\n"
+                f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n"
+            ).encode("latin-1")
+            writer.write(head + (b"" if method == "HEAD" else body))
+            await writer.drain()
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except Exception:  # one bad request must not stop the endpoint
+            _log.exception("http endpoint: request failed")
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    server = await asyncio.start_server(handle, host, port)
+    return HttpEndpoint(server)
