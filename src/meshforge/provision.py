@@ -243,7 +243,7 @@ async def plan(
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # nats errors of every kind: one line naming the failure
-        raise TopologyError(f"cannot read the JetStream topology: {one_line(exc, 300)}") from exc
+        raise TopologyError(f"cannot read the JetStream topology: {_why(js, exc)}") from exc
     steps = [_plan_stream(spec, existing, streams) for spec in streams]
     stream_subjects = {name: list(cfg.subjects or []) for name, cfg in existing.items()}
     retention = {name: _value(cfg.retention) for name, cfg in existing.items()}
@@ -424,7 +424,7 @@ async def apply(js: JetStreamManager, planned: Plan) -> ApplyReport:
         except Exception as exc:  # any server or transport error stops the run here
             not_done = ", ".join(str(s) for s in pending[index + 1 :]) or "nothing else"
             raise TopologyError(
-                f"{step} failed: {one_line(exc, 300)}; done: "
+                f"{step} failed: {_why(js, exc)}; done: "
                 f"{', '.join(str(s) for s in done) or 'nothing'}; not done: {step}, {not_done}"
             ) from exc
         log.info("provisioned: %s %s", step, step.details)
@@ -448,10 +448,16 @@ async def ensure(
 
 
 def _permission_error(js: JetStreamManager) -> str | None:
+    """The connection's last permissions violation: a denied API request just times out."""
     nc = getattr(js, "_nc", None)
     last = getattr(nc, "last_error", None)
     text = str(last) if last is not None else ""
     return text if "permissions violation" in text.lower() else None
+
+
+def _why(js: JetStreamManager, exc: BaseException) -> str:
+    denied = _permission_error(js) if isinstance(exc, TimeoutError | NatsTimeout) else None
+    return f"denied: {denied}" if denied else one_line(exc, 300)
 
 
 async def verify(
