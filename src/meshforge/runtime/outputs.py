@@ -1,0 +1,105 @@
+"""From a handler's ``Event``/``Send`` list to the messages and log entries the engine stores.
+
+Each output becomes a child envelope of the command (``Envelope.child``: id derived from
+the command's id and the output's position, same trace, a child span, ``causation_id``
+= the command's id), so computing the outputs twice gives byte-identical messages.
+Events are also folded into the state with ``Agent.apply`` and kept for the event log.
+
+Example::
+
+    state, outputs, events = build_outputs(agent, cmd, "o-1", "cmd.default.demo.order.create",
+                                           [Event("created", {"order_id": "o-1"})], state)
+    outputs[0].subject    # 'evt.default.demo.order.created'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from meshforge.envelope import Envelope, Outbound
+from meshforge.runtime.agent import Agent, Event, Output, Send
+from meshforge.store.base import NewEvent, StoredOutput
+from meshforge.subjects import command_subject, event_subject
+
+__all__ = ["build_outputs", "decode_payload", "event_name", "normalize_payload", "scope_of"]
+
+S = TypeVar("S")
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(dict[str, Any])
+
+
+def normalize_payload(payload: Mapping[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """The payload as JSON bytes and as the plain dict those bytes decode to.
+
+    ``apply`` always sees the decoded form, live and in replay alike, so the two agree.
+    """
+    data = _ENCODER.encode(dict(payload))
+    return data, _DECODER.decode(data)
+
+
+def decode_payload(data: bytes) -> dict[str, Any]:
+    """A stored event's payload bytes back as the dict ``apply`` sees."""
+    return _DECODER.decode(data)
+
+
+def scope_of(subject: str, env: Envelope) -> tuple[str, str]:
+    """``(tenant, namespace)`` of a command from its ``cmd.<tenant>.<ns>.<agent>.<cmd>`` subject."""
+    tokens = subject.split(".")
+    if len(tokens) == 5 and tokens[0] == "cmd":
+        return tokens[1], tokens[2]
+    return env.tenant_id, "default"
+
+
+def event_name(agent: str, type_: str) -> str:
+    """The verb of an event type ``<agent>.<verb>`` (the type itself if it has no prefix)."""
+    prefix = agent + "."
+    return type_[len(prefix) :] if type_.startswith(prefix) else type_
+
+
+def build_outputs(
+    agent: Agent[S],
+    cmd: Envelope,
+    resource: str,
+    subject: str,
+    outputs: Sequence[Output],
+    state: S,
+) -> tuple[S, list[StoredOutput], list[NewEvent]]:
+    """The new state, the messages to store and publish, and the events to append."""
+    tenant, namespace = scope_of(subject, cmd)
+    stored: list[StoredOutput] = []
+    events: list[NewEvent] = []
+    for position, out in enumerate(outputs):
+        data, payload = normalize_payload(out.payload)
+        if isinstance(out, Event):
+            out_subject = event_subject(tenant, namespace, agent.name, out.name)
+            child = cmd.child(
+                f"{agent.name}.{out.name}", payload, position,
+                source=agent.name, resource_type=agent.name, resource_id=resource,
+            )  # fmt: skip
+            new_event = NewEvent(
+                event_id=child.id, type=child.type, resource_id=resource,
+                command_id=cmd.id, key=cmd.key, data=data, ts=child.ts,
+            )  # fmt: skip
+            events.append(new_event)
+            state = agent.apply(state, Event(out.name, payload))
+        elif isinstance(out, Send):
+            out_subject = command_subject(
+                out.tenant or tenant, out.namespace or namespace, out.agent, out.command
+            )
+            child = cmd.child(
+                f"{out.agent}.{out.command}", payload, position,
+                source=agent.name, resource_type=out.agent, resource_id=out.resource_id,
+                tenant_id=out.tenant or cmd.tenant_id,
+            )  # fmt: skip
+        else:  # pragma: no cover - Agent.handle already checked the types
+            raise TypeError(f"not an output: {out!r}")
+        message = Outbound.of(out_subject, child)
+        output = StoredOutput(
+            position=position, subject=message.subject, msg_id=message.msg_id,
+            data=message.data, headers=message.headers,
+        )  # fmt: skip
+        stored.append(output)
+    return state, stored, events
