@@ -187,11 +187,14 @@ def _consumer_view(cfg: ConsumerConfig) -> dict[str, str]:
 
 
 def _summary(spec: StreamSpec | ConsumerSpec) -> str:
+    """What a create makes, leaving out settings at their unlimited defaults."""
     if isinstance(spec, StreamSpec):
         view = _stream_view(spec.config())
+        if view["replicas"] == "1":
+            del view["replicas"]
     else:
         view = _consumer_view(spec.config())
-    return "; ".join(f"{k} {v}" for k, v in view.items())
+    return "; ".join(f"{k} {v}" for k, v in view.items() if v not in ("unlimited", "none"))
 
 
 def _diff(current: dict[str, str], desired: dict[str, str]) -> tuple[Change, ...]:
@@ -411,7 +414,10 @@ async def apply(js: JetStreamManager, planned: Plan) -> ApplyReport:
     ``TopologyError`` naming what was done and what was not if a step fails half-way.
     """
     if planned.refused:
-        reasons = "; ".join(f"{s.kind} {s.name}: {s.reason}" for s in planned.refused)
+        grouped: dict[str, list[str]] = {}
+        for refused in planned.refused:
+            grouped.setdefault(refused.reason, []).append(f"{refused.kind} {refused.name}")
+        reasons = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in grouped.items())
         error = OverlapError if any(s.overlap for s in planned.refused) else TopologyError
         raise error(f"refusing to provision, nothing was changed: {reasons}")
     done: list[Step] = []
