@@ -58,7 +58,8 @@ class StoreError(MeshForgeError):
     """The store failed or holds data that contradicts the wire.
 
     ``kind`` is ``duplicate`` (a unique key already stored), ``conflict`` (serialisation
-    failure or deadlock), ``busy``, ``unavailable``, ``closed`` or ``error``;
+    failure or deadlock), ``busy``, ``unavailable``, ``not_found``, ``constraint``,
+    ``closed`` or ``error``;
     ``retriable`` says whether running the whole transaction again may succeed.
     """
 

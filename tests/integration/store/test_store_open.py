@@ -1,0 +1,137 @@
+"""Opening stores: URLs, migrations, closing, and what each backend does under contention."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from meshforge.errors import ConfigError, StoreError
+from meshforge.store import Store, Transaction, open_store
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("", "no store URL"),
+        ("mysql://root@localhost/db", "unknown scheme"),
+        ("sqlite://store.db", "three slashes"),
+        ("sqlite:///", "no database path"),
+        ("sqlite:///x.db?journal=off", "unknown option journal"),
+        ("postgresql://u@localhost/db?schema=bad-name", "schema 'bad-name'"),
+        ("postgresql://u:hunter2@localhost/db?pool_size=0", "pool_size '0'"),
+        ("postgresql://u@localhost/db?nonsense=1", "nonsense"),
+    ],
+)
+def test_bad_url_is_one_line_config_error(url: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        open_store(url)
+    text = str(info.value)
+    assert "\n" not in text and reason in text and "expected sqlite:///" in text
+    assert url.replace("hunter2", "***") in text and "hunter2" not in text
+
+
+def test_unreachable_postgresql_is_a_retriable_store_error() -> None:
+    with pytest.raises(StoreError, match="cannot open PostgreSQL store") as info:
+        open_store("postgresql://postgres:secret@127.0.0.1:1/nowhere?connect_timeout=2")
+    assert info.value.retriable and "secret" not in str(info.value)
+
+
+def test_reopen_keeps_data_and_migrates_once(store_url: str) -> None:
+    for expected_epoch in (1, 2, 3):
+        with open_store(store_url) as store:
+            with store.transaction() as tx:
+                assert tx.node_epoch_bump("site", "node") == expected_epoch
+                versions = tx.execute("SELECT version FROM meshforge_schema_version")
+            assert versions == [(1,)]
+            assert store.url == store_url
+            assert store.dialect == store_url.split(":", 1)[0]
+
+
+def test_closed_store_refuses_work(store: Store) -> None:
+    store.close()
+    store.close()
+    with pytest.raises(StoreError, match="closed") as info, store.transaction():
+        pass
+    assert info.value.kind == "closed"
+    with pytest.raises(StoreError, match="closed"):
+        store.outbox_depth()
+
+
+def test_sqlite_relative_path_creates_parent_dirs_in_wal_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = open_store("sqlite:///.meshforge/deep/store.db?busy_timeout=200")
+    try:
+        with store.transaction() as tx:
+            assert tx.execute("PRAGMA journal_mode") == [("wal",)]
+            assert tx.execute("PRAGMA busy_timeout") == [(200,)]
+    finally:
+        store.close()
+    assert (tmp_path / ".meshforge" / "deep" / "store.db").is_file()
+
+
+def test_sqlite_in_memory_store_works_across_threads() -> None:
+    store = open_store("sqlite:///:memory:")
+    try:
+        worker = threading.Thread(target=lambda: store.run(lambda tx: tx.node_epoch_bump("s", "n")))
+        worker.start()
+        worker.join()
+        with store.transaction() as tx:
+            assert tx.node_epoch("s", "n") == 1
+    finally:
+        store.close()
+
+
+def test_sqlite_nested_transaction_is_refused(sqlite_store: Store) -> None:
+    with (
+        pytest.raises(StoreError, match="already open in this thread"),
+        sqlite_store.transaction(),
+    ):
+        sqlite_store.outbox_depth()
+
+
+def test_sqlite_writer_in_another_process_makes_a_retriable_busy_error(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'shared.db'}?busy_timeout=50"
+    first, second = open_store(url), open_store(url)
+    try:
+        with first.transaction() as tx:
+            tx.node_epoch_bump("s", "n")
+            with pytest.raises(StoreError) as info, second.transaction():
+                pass
+        assert info.value.kind == "busy" and info.value.retriable
+        assert second.run(lambda tx: tx.node_epoch_bump("s", "n")) == 2
+    finally:
+        first.close()
+        second.close()
+
+
+def test_postgresql_deadlock_is_a_retriable_conflict(pg_store: Store) -> None:
+    both_locked = threading.Barrier(2, timeout=10)
+    outcomes: list[str] = []
+
+    def worker(mine: str, theirs: str) -> None:
+        def work(tx: Transaction) -> None:
+            tx.execute("SET LOCAL deadlock_timeout = '50ms'")
+            tx.state_get("a", mine)
+            both_locked.wait()
+            tx.state_get("a", theirs)
+
+        try:
+            with pg_store.transaction() as tx:
+                work(tx)
+            outcomes.append("committed")
+        except StoreError as exc:
+            outcomes.append(f"{exc.kind} retriable={exc.retriable}")
+
+    threads = [
+        threading.Thread(target=worker, args=("r1", "r2")),
+        threading.Thread(target=worker, args=("r2", "r1")),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["committed", "conflict retriable=True"]
