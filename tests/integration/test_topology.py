@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,14 @@ NAMES = [
     "MESHFORGE_CONTROL",
     "MESHFORGE_REPLIES",
 ]
+
+
+@pytest.fixture
+async def empty_js(clean_js: JetStreamContext) -> AsyncIterator[JetStreamContext]:
+    """An empty server, emptied again afterwards so no test here leaves streams for others."""
+    yield clean_js
+    for info in await clean_js.streams_info():
+        await clean_js.delete_stream(info.config.name)
 
 
 def settings(**values: object) -> Settings:
@@ -99,17 +108,17 @@ def test_consumer_spec_refuses_too_long_backoff() -> None:
 # ------------------------------------------------------------------ plan / apply / ensure
 
 
-async def test_dry_run_plan_on_empty_server_creates_nothing(clean_js: JetStreamContext) -> None:
+async def test_dry_run_plan_on_empty_server_creates_nothing(empty_js: JetStreamContext) -> None:
     planned = await plan(
-        clean_js, default_streams(Settings()), [agent_consumer("order", Settings())]
+        empty_js, default_streams(Settings()), [agent_consumer("order", Settings())]
     )
     assert [s.name for s in planned.steps if s.kind == "stream"] == NAMES
     assert all(s.action is Action.CREATE for s in planned.steps)
     assert "cmd.>" in step(planned, "MESHFORGE_COMMANDS").details
-    assert await stream_names(clean_js) == set()
+    assert await stream_names(empty_js) == set()
 
 
-async def test_ensure_twice_changes_nothing_the_second_time(clean_js: JetStreamContext) -> None:
+async def test_ensure_twice_changes_nothing_the_second_time(empty_js: JetStreamContext) -> None:
     s = Settings()
     streams = default_streams(s)
     consumers = [
@@ -117,135 +126,135 @@ async def test_ensure_twice_changes_nothing_the_second_time(clean_js: JetStreamC
         agent_consumer("inventory", s),
         node_consumer("lab1", "n1", s),
     ]
-    first = await ensure(clean_js, streams, consumers)
+    first = await ensure(empty_js, streams, consumers)
     assert first.changed and len(first.applied) == 8
-    second = await ensure(clean_js, streams, consumers)
+    second = await ensure(empty_js, streams, consumers)
     assert not second.changed
     assert all(st.action is Action.UNCHANGED for st in second.steps)
 
-    commands = await clean_js.stream_info("MESHFORGE_COMMANDS")
+    commands = await empty_js.stream_info("MESHFORGE_COMMANDS")
     assert commands.config.retention == RetentionPolicy.WORK_QUEUE
     assert commands.config.storage == StorageType.FILE
     assert commands.config.duplicate_window == 120.0
-    events = await clean_js.stream_info("MESHFORGE_EVENTS")
+    events = await empty_js.stream_info("MESHFORGE_EVENTS")
     assert events.config.retention == RetentionPolicy.LIMITS
-    order = await clean_js.consumer_info("MESHFORGE_COMMANDS", "order_consumer")
+    order = await empty_js.consumer_info("MESHFORGE_COMMANDS", "order_consumer")
     assert order.config.max_deliver == 6
     assert order.config.backoff == [1.0, 5.0, 10.0, 30.0]
     assert order.config.filter_subject == "cmd.*.*.order.>"
-    node = await clean_js.consumer_info("MESHFORGE_CONTROL", "node_lab1_n1")
+    node = await empty_js.consumer_info("MESHFORGE_CONTROL", "node_lab1_n1")
     assert node.config.max_deliver == -1
 
 
-async def test_duplicate_window_deduplicates(clean_js: JetStreamContext) -> None:
-    await ensure(clean_js, default_streams(Settings()))
-    a = await clean_js.publish(
+async def test_duplicate_window_deduplicates(empty_js: JetStreamContext) -> None:
+    await ensure(empty_js, default_streams(Settings()))
+    a = await empty_js.publish(
         "evt.default.demo.order.created", b"1", headers={"Nats-Msg-Id": "x1"}
     )
-    b = await clean_js.publish(
+    b = await empty_js.publish(
         "evt.default.demo.order.created", b"1", headers={"Nats-Msg-Id": "x1"}
     )
     assert not a.duplicate and b.duplicate
 
 
-async def test_changed_max_age_is_a_diff_and_updated(clean_js: JetStreamContext) -> None:
-    await ensure(clean_js, default_streams(Settings()))
-    await clean_js.publish("evt.default.demo.order.created", b"kept")
+async def test_changed_max_age_is_a_diff_and_updated(empty_js: JetStreamContext) -> None:
+    await ensure(empty_js, default_streams(Settings()))
+    await empty_js.publish("evt.default.demo.order.created", b"kept")
     changed = default_streams(settings(max_age="2d"))
-    planned = await plan(clean_js, changed)
+    planned = await plan(empty_js, changed)
     events = step(planned, "MESHFORGE_EVENTS")
     assert events.action is Action.UPDATE
     assert [(c.field, c.current, c.desired) for c in events.changes] == [
         ("max_age", "unlimited", "2d")
     ]
     assert events.details == "max_age unlimited -> 2d"
-    report = await apply(clean_js, planned)
+    report = await apply(empty_js, planned)
     assert len(report.applied) == 5
-    info = await clean_js.stream_info("MESHFORGE_EVENTS")
+    info = await empty_js.stream_info("MESHFORGE_EVENTS")
     assert info.config.max_age == 2 * 86400
     assert info.state.messages == 1  # an update keeps the messages
-    assert not (await plan(clean_js, changed)).has_changes
+    assert not (await plan(empty_js, changed)).has_changes
 
 
-async def test_retention_change_is_refused_with_reason(clean_js: JetStreamContext) -> None:
-    await clean_js.add_stream(
+async def test_retention_change_is_refused_with_reason(empty_js: JetStreamContext) -> None:
+    await empty_js.add_stream(
         name="MESHFORGE_EVENTS", subjects=["evt.>"], retention=RetentionPolicy.WORK_QUEUE
     )
-    planned = await plan(clean_js, default_streams(Settings()))
+    planned = await plan(empty_js, default_streams(Settings()))
     events = step(planned, "MESHFORGE_EVENTS")
     assert events.action is Action.REFUSED
     assert "cannot change a stream's retention (retention workqueue -> limits)" in events.reason
     with pytest.raises(
         TopologyError, match="nothing was changed: stream MESHFORGE_EVENTS: JetStream cannot"
     ):
-        await apply(clean_js, planned)
-    assert await stream_names(clean_js) == {"MESHFORGE_EVENTS"}  # the other four were not created
+        await apply(empty_js, planned)
+    assert await stream_names(empty_js) == {"MESHFORGE_EVENTS"}  # the other four were not created
 
 
-async def test_storage_change_is_refused(clean_js: JetStreamContext) -> None:
-    await ensure(clean_js, default_streams(Settings()))
-    planned = await plan(clean_js, default_streams(settings(storage="memory")))
+async def test_storage_change_is_refused(empty_js: JetStreamContext) -> None:
+    await ensure(empty_js, default_streams(Settings()))
+    planned = await plan(empty_js, default_streams(settings(storage="memory")))
     assert {s.action for s in planned.steps} == {Action.REFUSED}
     assert "storage file -> memory" in planned.steps[0].reason
 
 
 async def test_overlap_with_an_existing_stream_is_refused_naming_both(
-    clean_js: JetStreamContext,
+    empty_js: JetStreamContext,
 ) -> None:
-    await clean_js.add_stream(name="OTHER", subjects=["evt.>"])
-    planned = await plan(clean_js, default_streams(Settings()))
+    await empty_js.add_stream(name="OTHER", subjects=["evt.>"])
+    planned = await plan(empty_js, default_streams(Settings()))
     events = step(planned, "MESHFORGE_EVENTS")
     assert events.action is Action.REFUSED and events.overlap
     assert "OTHER" in events.reason and "MESHFORGE_EVENTS" in events.reason
     assert step(planned, "MESHFORGE_COMMANDS").action is Action.CREATE
     with pytest.raises(OverlapError) as info:
-        await ensure(clean_js, default_streams(Settings()))
+        await ensure(empty_js, default_streams(Settings()))
     assert "MESHFORGE_EVENTS" in str(info.value) and "OTHER" in str(info.value)
-    assert await stream_names(clean_js) == {"OTHER"}
+    assert await stream_names(empty_js) == {"OTHER"}
 
 
-async def test_overlap_between_planned_streams_is_refused(clean_js: JetStreamContext) -> None:
+async def test_overlap_between_planned_streams_is_refused(empty_js: JetStreamContext) -> None:
     extra = StreamSpec("AUDIT", ("evt.default.>",))
-    planned = await plan(clean_js, [*default_streams(Settings()), extra])
+    planned = await plan(empty_js, [*default_streams(Settings()), extra])
     audit = step(planned, "AUDIT")
     assert audit.action is Action.REFUSED and "MESHFORGE_EVENTS" in audit.reason
     assert "AUDIT" in step(planned, "MESHFORGE_EVENTS").reason
     with pytest.raises(OverlapError):
-        await apply(clean_js, planned)
+        await apply(empty_js, planned)
 
 
-async def test_consumer_changes_are_diffs(clean_js: JetStreamContext) -> None:
-    await ensure(clean_js, default_streams(Settings()), [agent_consumer("order", Settings())])
+async def test_consumer_changes_are_diffs(empty_js: JetStreamContext) -> None:
+    await ensure(empty_js, default_streams(Settings()), [agent_consumer("order", Settings())])
     planned = await plan(
-        clean_js, default_streams(Settings()), [agent_consumer("order", settings(max_deliver=3))]
+        empty_js, default_streams(Settings()), [agent_consumer("order", settings(max_deliver=3))]
     )
     order = step(planned, "MESHFORGE_COMMANDS/order_consumer")
     assert order.action is Action.UPDATE
     assert order.details == "max_deliver 6 -> 4; backoff 1s,5s,10s,30s -> 1s,5s,10s"
-    await apply(clean_js, planned)
-    info = await clean_js.consumer_info("MESHFORGE_COMMANDS", "order_consumer")
+    await apply(empty_js, planned)
+    info = await empty_js.consumer_info("MESHFORGE_COMMANDS", "order_consumer")
     assert info.config.max_deliver == 4
     assert info.config.backoff == [1.0, 5.0, 10.0]
 
 
-async def test_consumer_deliver_policy_change_is_refused(clean_js: JetStreamContext) -> None:
-    await ensure(clean_js, default_streams(Settings()))
+async def test_consumer_deliver_policy_change_is_refused(empty_js: JetStreamContext) -> None:
+    await ensure(empty_js, default_streams(Settings()))
     config = ConsumerConfig(
         durable_name="reader", deliver_policy=DeliverPolicy.NEW, filter_subject="evt.>"
     )
-    await clean_js.add_consumer("MESHFORGE_EVENTS", config)
+    await empty_js.add_consumer("MESHFORGE_EVENTS", config)
     spec = ConsumerSpec("MESHFORGE_EVENTS", "reader", "evt.>")
-    planned = await plan(clean_js, default_streams(Settings()), [spec])
+    planned = await plan(empty_js, default_streams(Settings()), [spec])
     assert "deliver_policy new -> all" in step(planned, "MESHFORGE_EVENTS/reader").reason
 
 
-async def test_overlapping_consumer_on_work_queue_is_refused(clean_js: JetStreamContext) -> None:
-    await ensure(clean_js, default_streams(Settings()))
-    await clean_js.add_consumer(
+async def test_overlapping_consumer_on_work_queue_is_refused(empty_js: JetStreamContext) -> None:
+    await ensure(empty_js, default_streams(Settings()))
+    await empty_js.add_consumer(
         "MESHFORGE_COMMANDS", ConsumerConfig(durable_name="all_cmds", filter_subject="cmd.>")
     )
     planned = await plan(
-        clean_js, default_streams(Settings()), [agent_consumer("order", Settings())]
+        empty_js, default_streams(Settings()), [agent_consumer("order", Settings())]
     )
     order = step(planned, "MESHFORGE_COMMANDS/order_consumer")
     assert order.action is Action.REFUSED
@@ -253,64 +262,64 @@ async def test_overlapping_consumer_on_work_queue_is_refused(clean_js: JetStream
 
 
 async def test_consumer_outside_stream_or_on_unknown_stream_is_refused(
-    clean_js: JetStreamContext,
+    empty_js: JetStreamContext,
 ) -> None:
     bad_filter = ConsumerSpec("MESHFORGE_EVENTS", "wrong", "cmd.>")
     unknown = ConsumerSpec("NOPE", "c", "x.>")
-    planned = await plan(clean_js, default_streams(Settings()), [bad_filter, unknown])
+    planned = await plan(empty_js, default_streams(Settings()), [bad_filter, unknown])
     assert "outside stream MESHFORGE_EVENTS" in step(planned, "MESHFORGE_EVENTS/wrong").reason
     assert "NOPE neither exists nor is planned" in step(planned, "NOPE/c").reason
 
 
-async def test_failure_half_way_says_what_was_done(clean_js: JetStreamContext) -> None:
+async def test_failure_half_way_says_what_was_done(empty_js: JetStreamContext) -> None:
     streams = [
         StreamSpec("HALF_A", ("half-a.>",)),
         StreamSpec("HALF_B", ("half-b.>",), replicas=3),
         StreamSpec("HALF_C", ("half-c.>",)),
     ]
     with pytest.raises(TopologyError) as info:
-        await ensure(clean_js, streams)
+        await ensure(empty_js, streams)
     message = str(info.value)
     assert "create stream HALF_B failed" in message
     assert "done: create stream HALF_A;" in message
     assert "not done: create stream HALF_B, create stream HALF_C" in message
     assert "\n" not in message
-    assert await stream_names(clean_js) == {"HALF_A"}
+    assert await stream_names(empty_js) == {"HALF_A"}
 
 
 async def test_backoff_trimmed_consumer_is_accepted_by_the_server(
-    clean_js: JetStreamContext,
+    empty_js: JetStreamContext,
 ) -> None:
     s = settings(max_deliver=1)
-    report = await ensure(clean_js, default_streams(s), [agent_consumer("tiny", s)])
+    report = await ensure(empty_js, default_streams(s), [agent_consumer("tiny", s)])
     assert report.changed
-    info = await clean_js.consumer_info("MESHFORGE_COMMANDS", "tiny_consumer")
+    info = await empty_js.consumer_info("MESHFORGE_COMMANDS", "tiny_consumer")
     assert info.config.max_deliver == 2 and info.config.backoff == [1.0]
 
 
 # ------------------------------------------------------------------ verify (least privilege)
 
 
-async def test_verify_lists_everything_missing(clean_js: JetStreamContext) -> None:
+async def test_verify_lists_everything_missing(empty_js: JetStreamContext) -> None:
     with pytest.raises(MissingTopology) as info:
-        await verify(clean_js, default_streams(Settings()), [agent_consumer("order", Settings())])
+        await verify(empty_js, default_streams(Settings()), [agent_consumer("order", Settings())])
     message = str(info.value)
     for name in NAMES:
         assert f"stream {name}" in message
     assert "consumer MESHFORGE_COMMANDS/order_consumer" in message
 
 
-async def test_verify_after_ensure(clean_js: JetStreamContext) -> None:
+async def test_verify_after_ensure(empty_js: JetStreamContext) -> None:
     consumers = [agent_consumer("order", Settings())]
-    await ensure(clean_js, default_streams(Settings()), consumers)
-    result = await verify(clean_js, default_streams(Settings()), consumers)
+    await ensure(empty_js, default_streams(Settings()), consumers)
+    result = await verify(empty_js, default_streams(Settings()), consumers)
     assert result.complete and len(result.present) == 6
     with pytest.raises(
         MissingTopology,
         match=r"missing JetStream topology: consumer MESHFORGE_COMMANDS/ghost_consumer;",
     ):
         await verify(
-            clean_js, default_streams(Settings()), [*consumers, agent_consumer("ghost", Settings())]
+            empty_js, default_streams(Settings()), [*consumers, agent_consumer("ghost", Settings())]
         )
 
 
