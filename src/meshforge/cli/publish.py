@@ -1,0 +1,113 @@
+"""``meshforge publish SUBJECT JSON``: publish one command or event as an envelope.
+
+JSON is the payload (``{"sku": "A-1"}``) or a whole envelope (an object with ``type``
+and ``payload``). For a payload alone on ``cmd.<tenant>.<ns>.<agent>.<command>`` or
+``evt.<tenant>.<ns>.<agent>.<event>`` the type is ``<agent>.<command>`` and the tenant
+the subject's. Prints ``stream=... seq=... id=... duplicate=true|false``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from meshforge.cli.common import NatsUrl, nats_target
+from meshforge.errors import MalformedMessage
+
+if TYPE_CHECKING:
+    from meshforge.config import Settings
+    from meshforge.envelope import Envelope
+    from meshforge.publisher import PublishResult
+
+
+def register(app: typer.Typer) -> None:
+    app.command("publish")(publish)
+
+
+def publish(
+    subject: Annotated[str, typer.Argument(help="e.g. cmd.default.demo.order.create")],
+    body: Annotated[
+        str, typer.Argument(metavar="JSON", help="The payload object, or a whole envelope.")
+    ],
+    key: Annotated[
+        str | None,
+        typer.Option("--key", help="Idempotency key: a request re-sent with it is applied once."),
+    ] = None,
+    source: Annotated[str, typer.Option("--source", help="Who produced the message.")] = "cli",
+    nats_url: NatsUrl = None,
+) -> None:
+    """Publish one command or event as an envelope and print where it was stored."""
+    from meshforge.config import load_settings
+    from meshforge.subjects import validate_subject
+
+    validate_subject(subject)
+    env = build_envelope(subject, body, key=key, source=source)
+    settings = load_settings({"nats_url": nats_url})
+    with nats_target(settings.nats_url) as url:
+        result = asyncio.run(_publish(url, settings, subject, env))
+    typer.echo(
+        f"stream={result.stream} seq={result.seq} id={env.id} "
+        f"duplicate={'true' if result.duplicate else 'false'}"
+    )
+
+
+def build_envelope(subject: str, text: str, *, key: str | None, source: str) -> Envelope:
+    """The envelope to send: from a whole envelope, or a payload and the subject's tokens."""
+    from meshforge.envelope import Envelope, decode
+
+    try:
+        value: Any = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MalformedMessage(f"JSON argument is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise MalformedMessage(f"JSON argument must be an object, got a JSON {type(value).__name__}")
+    tokens = subject.split(".")
+    tenant = tokens[1] if tokens[0] in ("cmd", "evt") and len(tokens) >= 5 else None
+    if "type" in value and "payload" in value:
+        value.setdefault("id", str(uuid.uuid4()))  # never derive an id from the bytes here
+        if tenant and "tenant_id" not in value:
+            value["tenant_id"] = tenant
+        env = decode(json.dumps(value).encode())
+        fresh = Envelope.new(env.type, env.payload, id=env.id)
+        env = env.with_(
+            source=value.get("source") or source,
+            trace_id=env.trace_id or fresh.trace_id,
+            span_id=env.span_id or fresh.span_id,
+            correlation_id=env.correlation_id or env.id,
+        )
+        return env.with_(idempotency_key=key) if key else env
+    if tenant is None:
+        raise MalformedMessage(
+            f"cannot derive a type from subject {subject!r}: give a whole envelope "
+            '({"type": ..., "payload": {...}}) or use a cmd.<tenant>.<ns>.<agent>.<command> '
+            "or evt.<tenant>.<ns>.<agent>.<event> subject"
+        )
+    return Envelope.new(
+        f"{tokens[3]}.{'.'.join(tokens[4:])}",
+        value,
+        source=source,
+        tenant_id=tenant,
+        **({"idempotency_key": key} if key else {}),
+    )
+
+
+async def _publish(url: str, settings: Settings, subject: str, env: Envelope) -> PublishResult:
+    from meshforge.connection import connect
+    from meshforge.errors import PublishError
+    from meshforge.publisher import Publisher
+    from meshforge.topology import default_streams, ensure
+
+    async with await connect(settings, url=url, name="meshforge-publish") as conn:
+        publisher = Publisher(conn.js, settings)
+        try:
+            return await publisher.publish(subject, env)
+        except PublishError as exc:
+            if exc.kind != "no_stream" or not settings.provision:
+                raise
+        # A fresh server has no streams yet: create the CONTRACT ones, then try once more.
+        await ensure(conn.js, default_streams(settings), [])
+        return await publisher.publish(subject, env)
