@@ -21,9 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, Literal
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -33,7 +30,20 @@ from nats.js.errors import NotFoundError
 
 from meshforge.errors import MissingTopology, OverlapError, TopologyError, one_line
 from meshforge.subjects import find_overlaps, overlaps
-from meshforge.topology import ConsumerSpec, StreamSpec
+from meshforge.topology import (
+    Action,
+    ApplyReport,
+    Change,
+    ConsumerSpec,
+    Plan,
+    Step,
+    StreamSpec,
+    Verification,
+    describe_consumer,
+    describe_stream,
+    diff,
+    policy_name,
+)
 
 __all__ = [
     "Action",
@@ -49,156 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("meshforge.provision")
-
-
-class Action(StrEnum):
-    CREATE = "create"
-    UPDATE = "update"
-    UNCHANGED = "unchanged"
-    REFUSED = "refused"
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One field that differs: ``max_age 1d -> 2d``."""
-
-    field: str
-    current: str
-    desired: str
-
-    def __str__(self) -> str:
-        return f"{self.field} {self.current} -> {self.desired}"
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """What the plan does with one stream or consumer, and why."""
-
-    kind: Literal["stream", "consumer"]
-    spec: StreamSpec | ConsumerSpec
-    action: Action
-    changes: tuple[Change, ...] = ()
-    reason: str = ""
-    overlap: bool = False
-    current: StreamConfig | ConsumerConfig | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def details(self) -> str:
-        """The reason (refused), the diff (update), a summary (create) or nothing."""
-        if self.action is Action.REFUSED:
-            return self.reason
-        if self.action is Action.UPDATE:
-            return "; ".join(str(c) for c in self.changes)
-        if self.action is Action.CREATE:
-            return _summary(self.spec)
-        return ""
-
-    def __str__(self) -> str:
-        return f"{self.action} {self.kind} {self.name}"
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Every step, streams first, in the order they are applied."""
-
-    steps: tuple[Step, ...]
-
-    @property
-    def pending(self) -> tuple[Step, ...]:
-        return tuple(s for s in self.steps if s.action in (Action.CREATE, Action.UPDATE))
-
-    @property
-    def refused(self) -> tuple[Step, ...]:
-        return tuple(s for s in self.steps if s.action is Action.REFUSED)
-
-    @property
-    def has_changes(self) -> bool:
-        return bool(self.pending)
-
-
-@dataclass(frozen=True, slots=True)
-class ApplyReport:
-    """The plan's steps and those applied; ``changed`` is False when all were unchanged."""
-
-    steps: tuple[Step, ...]
-    applied: tuple[Step, ...]
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.applied)
-
-
-@dataclass(frozen=True, slots=True)
-class Verification:
-    """What ``verify`` found present, and what it could not check (with the reason)."""
-
-    present: tuple[str, ...]
-    unverified: tuple[str, ...] = ()
-    reason: str = ""
-
-    @property
-    def complete(self) -> bool:
-        return not self.unverified
-
-
-# ------------------------------------------------------------------ formatting
-
-
-def _duration(seconds: float | None) -> str:
-    seconds = float(seconds or 0)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if seconds >= size and seconds % size == 0:
-            return f"{seconds / size:g}{unit}"
-    if seconds >= 1:
-        return f"{seconds:g}s"
-    return f"{seconds * 1000:g}ms"
-
-
-def _value(x: Any) -> str:
-    return str(getattr(x, "value", x))
-
-
-def _stream_view(cfg: StreamConfig) -> dict[str, str]:
-    return {
-        "subjects": ", ".join(sorted(cfg.subjects or [])),
-        "retention": _value(cfg.retention),
-        "storage": _value(cfg.storage),
-        "discard": _value(cfg.discard),
-        "duplicate_window": _duration(cfg.duplicate_window),
-        "replicas": str(cfg.num_replicas or 1),
-        "max_age": _duration(cfg.max_age) if cfg.max_age else "unlimited",
-        "max_bytes": str(cfg.max_bytes) if cfg.max_bytes and cfg.max_bytes > 0 else "unlimited",
-    }
-
-
-def _consumer_view(cfg: ConsumerConfig) -> dict[str, str]:
-    filters = [cfg.filter_subject] if cfg.filter_subject else list(cfg.filter_subjects or [])
-    max_deliver = cfg.max_deliver if cfg.max_deliver is not None else -1
-    return {
-        "filter_subject": ", ".join(filters) or "(all)",
-        "ack_wait": _duration(cfg.ack_wait),
-        "max_deliver": str(max_deliver) if max_deliver > 0 else "unlimited",
-        "backoff": ",".join(_duration(b) for b in cfg.backoff or []) or "none",
-    }
-
-
-def _summary(spec: StreamSpec | ConsumerSpec) -> str:
-    """What a create makes, leaving out settings at their unlimited defaults."""
-    if isinstance(spec, StreamSpec):
-        view = _stream_view(spec.config())
-        if view["replicas"] == "1":
-            del view["replicas"]
-    else:
-        view = _consumer_view(spec.config())
-    return "; ".join(f"{k} {v}" for k, v in view.items() if v not in ("unlimited", "none"))
-
-
-def _diff(current: dict[str, str], desired: dict[str, str]) -> tuple[Change, ...]:
-    return tuple(Change(k, current[k], v) for k, v in desired.items() if current[k] != v)
 
 
 # ------------------------------------------------------------------ reading the server
@@ -249,7 +109,7 @@ async def plan(
         raise TopologyError(f"cannot read the JetStream topology: {_why(js, exc)}") from exc
     steps = [_plan_stream(spec, existing, streams) for spec in streams]
     stream_subjects = {name: list(cfg.subjects or []) for name, cfg in existing.items()}
-    retention = {name: _value(cfg.retention) for name, cfg in existing.items()}
+    retention = {name: policy_name(cfg.retention) for name, cfg in existing.items()}
     for stream_spec in streams:
         stream_subjects[stream_spec.name] = list(stream_spec.subjects)
         retention[stream_spec.name] = stream_spec.retention
@@ -284,7 +144,7 @@ def _plan_stream(
         return Step(
             "stream", spec, Action.REFUSED, reason=f"the existing stream is {what}", current=current
         )
-    changes = _diff(_stream_view(current), _stream_view(spec.config()))
+    changes = diff(describe_stream(current), describe_stream(spec.config()))
     fixed = [c for c in changes if c.field in ("retention", "storage")]
     if fixed:
         what = ", ".join(str(c) for c in fixed)
@@ -322,7 +182,9 @@ def _plan_consumer(
     if retention.get(spec.stream) == "workqueue":
         # A work-queue stream hands each message to one consumer: filters must not overlap.
         others = {
-            n: _consumer_view(c)["filter_subject"] for n, c in present.items() if n != spec.durable
+            n: describe_consumer(c)["filter_subject"]
+            for n, c in present.items()
+            if n != spec.durable
         }
         others.update(
             {
@@ -343,10 +205,10 @@ def _plan_consumer(
     if current is None:
         return Step("consumer", spec, Action.CREATE)
     fixed = []
-    if _value(current.ack_policy) != "explicit":
-        fixed.append(f"ack_policy {_value(current.ack_policy)} -> explicit")
-    if _value(current.deliver_policy) != "all":
-        fixed.append(f"deliver_policy {_value(current.deliver_policy)} -> all")
+    if policy_name(current.ack_policy) != "explicit":
+        fixed.append(f"ack_policy {policy_name(current.ack_policy)} -> explicit")
+    if policy_name(current.deliver_policy) != "all":
+        fixed.append(f"deliver_policy {policy_name(current.deliver_policy)} -> all")
     if current.deliver_subject:
         fixed.append("push -> pull")
     if fixed:
@@ -355,7 +217,7 @@ def _plan_consumer(
             "(its delivery state is lost) and provision again",
             current=current,
         )
-    changes = _diff(_consumer_view(current), _consumer_view(spec.config()))
+    changes = diff(describe_consumer(current), describe_consumer(spec.config()))
     action = Action.UPDATE if changes else Action.UNCHANGED
     return Step("consumer", spec, action, changes, current=current)
 

@@ -2,7 +2,8 @@
 
 A spec says what should exist; ``meshforge.provision`` compares it with the server and
 creates, updates or refuses (``plan`` / ``apply`` / ``ensure`` / ``verify`` are re-exported
-here for convenience).
+here for convenience). The parts of a plan (``Step``, ``Change``, ``Plan``) and how a
+config is shown in one live here too, so callers need only this module.
 
 Example::
 
@@ -15,8 +16,9 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Literal
 
 from nats.js.api import (
     AckPolicy,
@@ -44,11 +46,15 @@ from meshforge.subjects import (
 if TYPE_CHECKING:
     from nats.js import JetStreamManager
 
-    from meshforge.provision import ApplyReport, Plan, Verification
-
 __all__ = [
+    "Action",
+    "ApplyReport",
+    "Change",
     "ConsumerSpec",
+    "Plan",
+    "Step",
     "StreamSpec",
+    "Verification",
     "agent_consumer",
     "apply",
     "default_streams",
@@ -229,6 +235,164 @@ def node_consumer(site: str, node: str, settings: Settings) -> ConsumerSpec:
         backoff=(),
         description=f"MeshForge node {site}.{node}",
     )
+
+
+# ------------------------------------------------------------------ plans and their parts
+
+
+class Action(StrEnum):
+    CREATE = "create"
+    UPDATE = "update"
+    UNCHANGED = "unchanged"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One field that differs: ``max_age 1d -> 2d``."""
+
+    field: str
+    current: str
+    desired: str
+
+    def __str__(self) -> str:
+        return f"{self.field} {self.current} -> {self.desired}"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What the plan does with one stream or consumer, and why."""
+
+    kind: Literal["stream", "consumer"]
+    spec: StreamSpec | ConsumerSpec
+    action: Action
+    changes: tuple[Change, ...] = ()
+    reason: str = ""
+    overlap: bool = False
+    current: StreamConfig | ConsumerConfig | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def details(self) -> str:
+        """The reason (refused), the diff (update), a summary (create) or nothing."""
+        if self.action is Action.REFUSED:
+            return self.reason
+        if self.action is Action.UPDATE:
+            return "; ".join(str(c) for c in self.changes)
+        if self.action is Action.CREATE:
+            return summarize(self.spec)
+        return ""
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.kind} {self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Every step, streams first, in the order they are applied."""
+
+    steps: tuple[Step, ...]
+
+    @property
+    def pending(self) -> tuple[Step, ...]:
+        return tuple(s for s in self.steps if s.action in (Action.CREATE, Action.UPDATE))
+
+    @property
+    def refused(self) -> tuple[Step, ...]:
+        return tuple(s for s in self.steps if s.action is Action.REFUSED)
+
+    @property
+    def has_changes(self) -> bool:
+        return bool(self.pending)
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyReport:
+    """The plan's steps and those applied; ``changed`` is False when all were unchanged."""
+
+    steps: tuple[Step, ...]
+    applied: tuple[Step, ...]
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.applied)
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """What ``verify`` found present, and what it could not check (with the reason)."""
+
+    present: tuple[str, ...]
+    unverified: tuple[str, ...] = ()
+    reason: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return not self.unverified
+
+
+# ------------------------------------------------------------------ formatting
+
+
+def format_duration(seconds: float | None) -> str:
+    """``2m``, ``1d``, ``1.5s``, ``500ms``: how plans show a duration."""
+    seconds = float(seconds or 0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    if seconds >= 1:
+        return f"{seconds:g}s"
+    return f"{seconds * 1000:g}ms"
+
+
+def policy_name(x: Any) -> str:
+    """A nats-py enum's wire value (or the string the server sent)."""
+    return str(getattr(x, "value", x))
+
+
+def describe_stream(cfg: StreamConfig) -> dict[str, str]:
+    """The fields provisioning manages, as shown in plans; equal views mean no change."""
+    return {
+        "subjects": ", ".join(sorted(cfg.subjects or [])),
+        "retention": policy_name(cfg.retention),
+        "storage": policy_name(cfg.storage),
+        "discard": policy_name(cfg.discard),
+        "duplicate_window": format_duration(cfg.duplicate_window),
+        "replicas": str(cfg.num_replicas or 1),
+        "max_age": format_duration(cfg.max_age) if cfg.max_age else "unlimited",
+        "max_bytes": str(cfg.max_bytes) if cfg.max_bytes and cfg.max_bytes > 0 else "unlimited",
+    }
+
+
+def describe_consumer(cfg: ConsumerConfig) -> dict[str, str]:
+    """The fields provisioning manages, as shown in plans; equal views mean no change."""
+    filters = [cfg.filter_subject] if cfg.filter_subject else list(cfg.filter_subjects or [])
+    max_deliver = cfg.max_deliver if cfg.max_deliver is not None else -1
+    return {
+        "filter_subject": ", ".join(filters) or "(all)",
+        "ack_wait": format_duration(cfg.ack_wait),
+        "max_deliver": str(max_deliver) if max_deliver > 0 else "unlimited",
+        "backoff": ",".join(format_duration(b) for b in cfg.backoff or []) or "none",
+    }
+
+
+def summarize(spec: StreamSpec | ConsumerSpec) -> str:
+    """What a create makes, leaving out settings at their unlimited defaults."""
+    if isinstance(spec, StreamSpec):
+        view = describe_stream(spec.config())
+        if view["replicas"] == "1":
+            del view["replicas"]
+    else:
+        view = describe_consumer(spec.config())
+    return "; ".join(f"{k} {v}" for k, v in view.items() if v not in ("unlimited", "none"))
+
+
+def diff(current: dict[str, str], desired: dict[str, str]) -> tuple[Change, ...]:
+    """The fields whose shown values differ, in ``desired``'s order."""
+    return tuple(Change(k, current[k], v) for k, v in desired.items() if current[k] != v)
 
 
 # Provisioning lives in meshforge.provision; these wrappers keep one import for callers.
