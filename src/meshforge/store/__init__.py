@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 from meshforge.store.base import (
+    DialectName,
     EffectRecord,
     InboxRecord,
     InboxStatus,
@@ -30,6 +31,8 @@ from meshforge.store.core import Clock
 from meshforge.store.sql import url_error
 
 __all__ = [
+    "Clock",
+    "DialectName",
     "EffectRecord",
     "InboxRecord",
     "InboxStatus",

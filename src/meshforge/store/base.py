@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 InboxStatus = Literal["received", "processing", "processed", "failed"]
 OutboxState = Literal["pending", "publishing", "sent", "failed"]
-Dialect = Literal["sqlite", "postgresql"]
+DialectName = Literal["sqlite", "postgresql"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,14 +226,17 @@ class Store(Protocol):
         ...
 
     @property
-    def dialect(self) -> Dialect:
+    def dialect(self) -> DialectName:
         """``sqlite`` or ``postgresql``."""
         ...
 
     def transaction(self) -> AbstractContextManager[Transaction]:
         """One transaction: commit on success, roll back on exception.
 
-        Do not call the store-level methods below from inside it.
+        It may be entered and left on different threads (``asyncio.to_thread``), but is
+        used by one caller at a time. Do not call the store-level methods below, or open
+        another transaction, from inside it: on SQLite that waits for ``busy_timeout`` and
+        then raises ``StoreError(kind="busy")``.
         """
         ...
 

@@ -18,9 +18,7 @@ from typing import Any, TypeVar, cast
 
 from meshforge.errors import StoreError
 from meshforge.store.base import (
-    Dialect as DialectName,
-)
-from meshforge.store.base import (
+    DialectName,
     EffectRecord,
     InboxRecord,
     InboxStatus,

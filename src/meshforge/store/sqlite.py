@@ -90,7 +90,7 @@ class SqliteStore(SqlStore):
                 f"SQLite {sqlite3.sqlite_version} is too old for the store; 3.35 or newer needed"
             )
         self._lock = threading.Lock()
-        self._owner: int | None = None
+        self._busy_s = busy_ms / 1000
         try:
             if path != MEMORY:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -112,31 +112,33 @@ class SqliteStore(SqlStore):
 
     @contextmanager
     def _session(self, *, write: bool) -> Iterator[Cursor]:
-        me = threading.get_ident()
-        if self._owner == me:
+        # Bounded wait: a transaction left open (or opened inside another) surfaces as a
+        # retriable error instead of hanging every thread. Entering and leaving may happen
+        # on different threads (asyncio.to_thread), so the lock is not tied to one.
+        if not self._lock.acquire(timeout=self._busy_s):
             raise StoreError(
-                "sqlite store: a transaction is already open in this thread;"
-                " finish it before starting another or calling a store-level method"
+                f"sqlite store: waited {self._busy_s:g}s for another transaction of this"
+                " process to finish (busy_timeout); is one left open, or opened inside another?",
+                kind="busy",
+                retriable=True,
             )
-        with self._lock:
+        try:
             conn = self._conn
             if conn is None:
                 raise StoreError("sqlite store is closed", kind="closed")
-            self._owner = me
+            self._begin(conn, write)
             try:
-                self._begin(conn, write)
-                try:
-                    yield conn.cursor()
-                except BaseException:
-                    self._rollback(conn)
-                    raise
-                try:
-                    conn.execute("COMMIT")
-                except sqlite3.Error as exc:
-                    self._rollback(conn)
-                    raise _to_store_error(exc) from exc
-            finally:
-                self._owner = None
+                yield conn.cursor()
+            except BaseException:
+                self._rollback(conn)
+                raise
+            try:
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._rollback(conn)
+                raise _to_store_error(exc) from exc
+        finally:
+            self._lock.release()
 
     @staticmethod
     def _begin(conn: sqlite3.Connection, write: bool) -> None:
@@ -153,7 +155,12 @@ class SqliteStore(SqlStore):
                 conn.execute("ROLLBACK")
 
     def _release(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        # Let a transaction in flight finish first, but never hang shutdown on one left open.
+        locked = self._lock.acquire(timeout=self._busy_s)
+        try:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                conn.close()
+        finally:
+            if locked:
+                self._lock.release()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -85,12 +86,35 @@ def test_sqlite_in_memory_store_works_across_threads() -> None:
         store.close()
 
 
-def test_sqlite_nested_transaction_is_refused(sqlite_store: Store) -> None:
-    with (
-        pytest.raises(StoreError, match="already open in this thread"),
-        sqlite_store.transaction(),
-    ):
-        sqlite_store.outbox_depth()
+def test_sqlite_transaction_left_open_makes_a_retriable_busy_error(tmp_path: Path) -> None:
+    store = open_store(f"sqlite:///{tmp_path / 'store.db'}?busy_timeout=100")
+    try:
+        with (
+            pytest.raises(StoreError, match=r"waited 0\.1s for another transaction") as info,
+            store.transaction(),
+        ):
+            store.outbox_depth()
+        assert info.value.kind == "busy" and info.value.retriable
+        assert store.outbox_depth() == 0
+    finally:
+        store.close()
+
+
+def test_transaction_may_enter_and_leave_on_different_threads(store: Store) -> None:
+    """As asyncio.to_thread does: enter, work and exit each on a thread of its own."""
+    cm = store.transaction()
+    box: dict[str, Transaction] = {}
+
+    def step(action: Callable[[], object]) -> None:
+        thread = threading.Thread(target=action)
+        thread.start()
+        thread.join()
+
+    step(lambda: box.update(tx=cm.__enter__()))
+    step(lambda: box["tx"].state_put("a", "r", b"v", 1))
+    step(lambda: cm.__exit__(None, None, None))
+    with store.transaction() as tx:
+        assert tx.state_get("a", "r") == b"v"
 
 
 def test_sqlite_writer_in_another_process_makes_a_retriable_busy_error(tmp_path: Path) -> None:
