@@ -1,0 +1,169 @@
+"""Carrying out decisions: ack, nak, term, dead letter; and keeping long handlers alive.
+
+``Acker.apply`` sends what a ``Decision`` says and counts it. A dead letter is published
+(and its PubAck awaited) before the original is acked; when that publish fails the
+original is nak'ed instead, so a message is never acked without its dead letter.
+``keep_alive`` sends ``in_progress`` every third of the ack wait while a handler runs.
+
+Example::
+
+    acker = Acker("order_consumer", metrics, lambda: publisher, backoff=(1, 5, 10))
+    async with acker.keep_alive([delivery.msg], period=10.0):
+        decision = await handler(delivery)
+    await acker.apply(delivery, decision)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from nats.errors import MsgAlreadyAckdError
+
+from meshforge.decisions import REASON_MAX_DELIVERIES, Action, Decision, Delivery, backoff_delay
+from meshforge.errors import one_line
+from meshforge.faults import crash_point
+from meshforge.observability import Metrics
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+
+    from meshforge.publisher import Publisher
+
+__all__ = ["DEAD_LETTER_RETRY_DELAY", "Acker"]
+
+log = logging.getLogger("meshforge.consumer")
+
+#: Nak delay when a dead letter could not be published and there is no backoff schedule.
+DEAD_LETTER_RETRY_DELAY = 1.0
+
+
+class Acker:
+    """Sends acks, naks, terms and dead letters for one consumer and counts them."""
+
+    def __init__(
+        self,
+        consumer: str,
+        metrics: Metrics,
+        publisher: Callable[[], Publisher],
+        *,
+        backoff: Sequence[float] = (),
+        ack_sync: bool = False,
+        ack_timeout: float = 5.0,
+    ) -> None:
+        self.consumer = consumer
+        self.backoff = tuple(backoff)
+        self.ack_sync = ack_sync
+        self.ack_timeout = ack_timeout
+        self._publisher = publisher
+        label = {"consumer": consumer}
+        self._acked = metrics.acked.labels(**label)
+        self._naked = metrics.naked.labels(**label)
+        self._exhausted = metrics.deliveries_exhausted.labels(**label)
+        self._dead = metrics.dead_lettered
+        self._e2e = metrics.end_to_end_seconds.labels(**label)
+
+    async def apply(self, delivery: Delivery, decision: Decision) -> None:
+        """Carry out ``decision`` for ``delivery``. Never raises for a send failure: the
+        server redelivers a message whose ack was lost once its ack wait passes."""
+        msg = delivery.msg
+        try:
+            if decision.action is Action.ACK:
+                await self._ack(delivery)
+            elif decision.action is Action.NAK:
+                delay = decision.delay
+                if delay is None:
+                    delay = backoff_delay(delivery.num_delivered, self.backoff)
+                await msg.nak(delay)
+                self._naked.inc()
+            elif decision.action is Action.TERM:
+                await msg.term()
+            else:
+                await self._dead_letter(delivery, decision)
+                return
+        except MsgAlreadyAckdError:
+            return  # shutdown already nak'ed it
+        except Exception as exc:  # connection trouble: the ack wait brings it back
+            log.warning(
+                "could not %s %s seq %d: %s (it is redelivered after the ack wait)",
+                decision.action.value,
+                delivery.subject,
+                delivery.seq,
+                one_line(exc, 300),
+                extra={"consumer": self.consumer, "stream_seq": delivery.seq},
+            )
+            return
+        crash_point("after_ack")
+
+    async def _ack(self, delivery: Delivery) -> None:
+        if self.ack_sync:
+            await delivery.msg.ack_sync(timeout=self.ack_timeout)
+        else:
+            await delivery.msg.ack()
+        self._acked.inc()
+        self._e2e.observe(max(0.0, time.time() - delivery.timestamp.timestamp()))
+
+    async def _dead_letter(self, delivery: Delivery, decision: Decision) -> None:
+        from meshforge.deadletter import dead_letter
+
+        reason = decision.reason or "unrecoverable"
+        try:
+            await dead_letter(
+                self._publisher(),
+                delivery.msg,
+                reason=reason,
+                error=decision.error,
+                consumer=self.consumer,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never ack what was not dead-lettered: nak, try again later
+            delay = backoff_delay(delivery.num_delivered, self.backoff) or DEAD_LETTER_RETRY_DELAY
+            log.error(
+                "dead letter (%s) for %s seq %d failed: %s; nak'ed, retried in %.1fs",
+                reason,
+                delivery.subject,
+                delivery.seq,
+                one_line(exc, 300),
+                delay,
+                extra={"consumer": self.consumer, "stream_seq": delivery.seq},
+            )
+            await delivery.msg.nak(delay)
+            self._naked.inc()
+            return
+        self._dead.labels(consumer=self.consumer, reason=reason).inc()
+        if reason == REASON_MAX_DELIVERIES:
+            self._exhausted.inc()
+        log.warning(
+            "dead-lettered %s seq %d as %s: %s",
+            delivery.subject,
+            delivery.seq,
+            reason,
+            decision.error,
+            extra={"consumer": self.consumer, "stream_seq": delivery.seq, "reason": reason},
+        )
+        await self._ack(delivery)
+        crash_point("after_ack")
+
+    @contextlib.asynccontextmanager
+    async def keep_alive(self, msgs: Sequence[Msg], period: float) -> AsyncIterator[None]:
+        """Send ``in_progress`` for ``msgs`` every ``period`` seconds until the block ends."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(period)  # the heartbeat period itself
+                for msg in msgs:
+                    with contextlib.suppress(Exception):  # lost beats only risk a redelivery
+                        await msg.in_progress()
+
+        task = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

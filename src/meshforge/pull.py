@@ -1,0 +1,214 @@
+"""Pull requests sized to free capacity, with heartbeats that reveal a dead request.
+
+``PullSource`` sends one JetStream pull request at a time for at most ``n`` messages (the
+caller's free capacity), so the server never marks more messages delivered than the
+worker can start at once: nothing waits in a local buffer while its ack timer runs. A
+request waits up to ``expires`` for the first message and returns as soon as no more are
+available (``no_wait`` with ``expires``). The server sends an idle heartbeat every
+``heartbeat`` seconds while a request waits; silence for two of them means the request
+died (a killed and restarted server forgets its waiting requests, the classic stall of
+plain pull subscriptions), and the caller is told so it can ask again or ``rebuild``.
+
+Example::
+
+    source = PullSource(conn.nc, "MESHFORGE_COMMANDS", "order_consumer")
+    await source.start()
+    result = await source.fetch(8)
+    for msg in result.messages:
+        ...
+    leftovers = await source.close()     # delivered but not handed out: nak them
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+
+__all__ = ["FetchResult", "PullSource"]
+
+Outcome = Literal["messages", "empty", "silent", "error", "stopped"]
+
+_STATUS = "Status"
+_DESCRIPTION = "Description"
+_HEARTBEAT = "100"
+_END = {"404", "408"}  # no messages / request expired: the server is alive and idle
+_MISSED_HEARTBEATS = 2
+_SLACK = 0.5
+
+
+@dataclass(slots=True)
+class FetchResult:
+    """What one pull request brought: messages, or why there were none.
+
+    ``outcome``: ``messages``; ``empty`` (the server answered: nothing to deliver);
+    ``silent`` (no heartbeat nor answer: the request is gone); ``error`` (a status such as
+    409 Consumer Deleted, or the connection refused the request; see ``detail``);
+    ``stopped`` (``stop`` was set while waiting). ``surplus``: messages delivered for an
+    earlier, abandoned request beyond ``n``; the caller naks them.
+    """
+
+    outcome: Outcome
+    messages: list[Msg] = field(default_factory=list)
+    detail: str = ""
+    status: str | None = None
+    surplus: list[Msg] = field(default_factory=list)
+
+
+class PullSource:
+    """One durable pull consumer's request/response channel on a private inbox."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        stream: str,
+        durable: str,
+        *,
+        expires: float = 5.0,
+        heartbeat: float = 1.0,
+    ) -> None:
+        if heartbeat * 2 > expires:
+            raise ValueError("pull heartbeat must be at most half of expires")
+        self._nc = nc
+        self.stream = stream
+        self.durable = durable
+        self.expires = expires
+        self.heartbeat = heartbeat
+        self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self._queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._sub: Subscription | None = None
+        self._prefix = ""
+        self._requests = 0
+        self.rebuilds = 0
+
+    async def start(self) -> None:
+        """Subscribe the private inbox (a fresh one each time)."""
+        self._prefix = self._nc.new_inbox()
+        queue = self._queue
+
+        async def on_message(msg: Msg) -> None:
+            queue.put_nowait(msg)
+
+        self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=on_message)
+
+    async def fetch(self, n: int, stop: asyncio.Event | None = None) -> FetchResult:
+        """Ask for up to ``n`` messages; return when they came, the server said there are
+        no more, the request went silent, or ``stop`` was set.
+
+        Messages delivered for an earlier request the caller gave up on (rare: after a
+        silent or stopped request) are returned first, without a new request.
+        """
+        if self._sub is None:
+            raise RuntimeError("PullSource.start() was not called")
+        stray = self._drain_local()
+        if stray:
+            # Already delivered to us: hand them out now, at most n.
+            return FetchResult("messages", stray[:n], detail="stray", surplus=stray[n:])
+        self._requests += 1
+        reply = f"{self._prefix}.{self._requests}"
+        body = {
+            "batch": n,
+            "expires": int(self.expires * 1e9),
+            "no_wait": True,
+            "idle_heartbeat": int(self.heartbeat * 1e9),
+        }
+        try:
+            await self._nc.publish(self._api, json.dumps(body).encode(), reply=reply)
+        except Exception as exc:  # closed/draining connection: the caller backs off
+            return FetchResult(
+                "error", detail=f"pull request not sent: {type(exc).__name__}: {exc}"
+            )
+        return await self._collect(reply, n, stop)
+
+    async def _collect(self, reply: str, n: int, stop: asyncio.Event | None) -> FetchResult:
+        got: list[Msg] = []
+        start = last = time.monotonic()
+        deadline = start + self.expires + _SLACK
+        stop_wait: asyncio.Future[Any] | None = (
+            asyncio.ensure_future(stop.wait()) if stop is not None else None
+        )
+        try:
+            while len(got) < n:
+                now = time.monotonic()
+                quiet_until = last + self.heartbeat * _MISSED_HEARTBEATS + _SLACK
+                wait = min(deadline, quiet_until) - now
+                if wait <= 0:
+                    if got:
+                        break
+                    return FetchResult("silent", detail=f"no answer for {now - last:.1f}s")
+                msg = await self._next(wait, stop_wait)
+                if msg is None:
+                    if stop_wait is not None and stop_wait.done():
+                        return FetchResult("stopped", got)
+                    continue
+                status = (msg.headers or {}).get(_STATUS)
+                if not status:
+                    got.append(msg)
+                    last = time.monotonic()
+                    continue
+                if msg.subject != reply:
+                    continue  # a late status for a request we already gave up on
+                last = time.monotonic()
+                if status == _HEARTBEAT:
+                    continue
+                description = (msg.headers or {}).get(_DESCRIPTION, "")
+                if status in _END:
+                    break
+                if got:
+                    break
+                return FetchResult("error", detail=f"{status} {description}".strip(), status=status)
+        finally:
+            if stop_wait is not None:
+                stop_wait.cancel()
+        return FetchResult("messages" if got else "empty", got)
+
+    async def _next(self, wait: float, stop_wait: asyncio.Future[Any] | None) -> Msg | None:
+        if not self._queue.empty():
+            return self._queue.get_nowait()
+        getter: asyncio.Future[Any] = asyncio.ensure_future(self._queue.get())
+        waiters = {getter} if stop_wait is None else {getter, stop_wait}
+        try:
+            await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            msg: Msg = getter.result()
+            return msg
+        return None
+
+    def _drain_local(self) -> list[Msg]:
+        """Data messages waiting locally; stale statuses are dropped."""
+        messages: list[Msg] = []
+        while not self._queue.empty():
+            msg = self._queue.get_nowait()
+            if not (msg.headers or {}).get(_STATUS):
+                messages.append(msg)
+        return messages
+
+    async def rebuild(self) -> list[Msg]:
+        """Drop the inbox and subscribe a fresh one; returns messages left behind."""
+        leftovers = await self._unsubscribe()
+        await self.start()
+        self.rebuilds += 1
+        return leftovers
+
+    async def close(self) -> list[Msg]:
+        """Unsubscribe (the server drops a waiting request with no interest); returns
+        messages delivered but not handed out, which the caller must nak."""
+        return await self._unsubscribe()
+
+    async def _unsubscribe(self) -> list[Msg]:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):  # a closed connection has no interest left
+                await sub.unsubscribe()
+        return self._drain_local()
