@@ -7,6 +7,9 @@ depends only on what happened to each resource and in which order, never on how
 commands of different resources interleaved, how often they were delivered, where
 workers crashed or how batches were cut.
 
+Given the agent, the states are rebuilt too, and ``snapshot_hash`` (over the rebuilt
+states) is compared with ``stored_hash`` (the same over the snapshots the store holds).
+
 Example::
 
     result = replay(store, "order", OrderAgent())
@@ -85,7 +88,8 @@ class ReplayResult:
     resources: int
     state_hash: str
     states: dict[str, Any] = field(default_factory=dict)
-    snapshot_hash: str | None = None
+    snapshot_hash: str | None = None  # over the states rebuilt from the events
+    stored_hash: str | None = None  # over the snapshots the store held (same resources)
     mismatched: tuple[str, ...] = ()
 
     @property
@@ -130,6 +134,7 @@ def replay(store: Store, agent_name: str, agent: Agent[Any] | None = None) -> Re
         state_hash=hasher.hexdigest(),
         states=states,
         snapshot_hash=_snapshot_digest(rebuilt),
+        stored_hash=_snapshot_digest(stored),
         mismatched=mismatched,
     )
 

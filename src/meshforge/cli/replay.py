@@ -1,0 +1,74 @@
+"""``meshforge replay AGENT``: rebuild an agent's state from its event log and print the state hash."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("replay")(replay)
+
+
+def replay(
+    agent: Annotated[
+        str,
+        typer.Argument(
+            metavar="AGENT",
+            help="The agent's name (hash its events) or MODULE:AGENT (also rebuild its state"
+            " and compare it with the stored snapshots).",
+        ),
+    ],
+    store: Annotated[
+        str | None,
+        typer.Option(
+            "--store",
+            envvar="MESHFORGE_STORE_URL",
+            help="sqlite:///path (default ./.meshforge/store.db) or postgresql://...",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Read the agent's events in order, print how many there are and the state hash
+    (SHA-256 over a canonical encoding of the events). With MODULE:AGENT the events are
+    folded into state and compared with the stored snapshots; a mismatch exits 1."""
+    from meshforge.config import load_settings
+    from meshforge.runtime.agent import Agent
+    from meshforge.runtime.replay import replay as run_replay
+    from meshforge.runtime.worker import load_agent
+    from meshforge.store import open_store
+    from meshforge.subjects import validate_token
+
+    instance: Agent[object] | None = load_agent(agent) if ":" in agent else None
+    name = instance.name if instance is not None else validate_token(agent, "agent name")
+    settings = load_settings({"store_url": store})
+    opened = open_store(settings.store_url)
+    try:
+        result = run_replay(opened, name, instance)
+    finally:
+        opened.close()
+    if as_json:
+        out = {
+            "agent": result.agent,
+            "events": result.events,
+            "resources": result.resources,
+            "state_hash": result.state_hash,
+            "snapshot_hash": result.snapshot_hash,
+            "stored_hash": result.stored_hash,
+            "mismatched": list(result.mismatched),
+        }
+        typer.echo(json.dumps(out))
+    else:
+        typer.echo(f"agent {result.agent}: {result.events} events over {result.resources} resources")
+        typer.echo(f"state hash: sha256:{result.state_hash}")
+        if instance is not None:
+            if result.consistent:
+                typer.echo(f"snapshots: {result.resources} rebuilt from events, all equal to the stored state")
+            else:
+                shown = ", ".join(result.mismatched[:5])
+                typer.echo(f"snapshots: {len(result.mismatched)} differ from the stored state: {shown}")
+    if not result.consistent:
+        raise typer.Exit(1)

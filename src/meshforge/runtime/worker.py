@@ -1,0 +1,163 @@
+"""A worker process: load agents, wire connection, store, consumers and engines, run until told.
+
+Example::
+
+    worker = Worker([load_agent("meshforge.demo:OrderAgent")], load_settings())
+    worker.install_signal_handlers()      # SIGINT/SIGTERM: finish in-flight work, then stop
+    await worker.run()
+
+Several workers of one agent may run at once (on several machines): they share the
+agent's durable consumer, and the store (PostgreSQL for more than one machine) keeps
+each command's effect single.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import signal
+from collections.abc import Sequence
+from typing import Any
+
+from meshforge.config import Settings, load_settings
+from meshforge.connection import Connection, connect
+from meshforge.consumer import Consumer
+from meshforge.errors import ConfigError, one_line
+from meshforge.observability import HttpEndpoint, Metrics, serve_http
+from meshforge.publisher import Publisher
+from meshforge.runtime.agent import Agent
+from meshforge.runtime.engine import Engine
+from meshforge.store import open_store
+from meshforge.store.base import Store
+from meshforge.topology import agent_consumer, default_streams, ensure, verify
+
+__all__ = ["Worker", "load_agent"]
+
+log = logging.getLogger("meshforge.worker")
+
+
+def load_agent(spec: str) -> Agent[Any]:
+    """The agent named ``MODULE:AGENT`` (a class, instantiated, or an instance).
+
+    >>> load_agent("meshforge.demo:OrderAgent").name
+    'order'
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"agent {spec!r}: expected MODULE:AGENT, e.g. meshforge.demo:OrderAgent")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"agent {spec!r}: cannot import {module_name!r}: {one_line(exc)}") from exc
+    target: Any = module
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise ConfigError(f"agent {spec!r}: module {module_name!r} has no {attr!r}")
+    if isinstance(target, type) and issubclass(target, Agent):
+        return target()
+    if isinstance(target, Agent):
+        return target
+    raise ConfigError(f"agent {spec!r}: {attr!r} is not an Agent subclass")
+
+
+class Worker:
+    """Runs one or more agents on one connection and one store until ``stop()``."""
+
+    def __init__(
+        self,
+        agents: Sequence[Agent[Any]],
+        settings: Settings | None = None,
+        *,
+        store: Store | None = None,
+        metrics: Metrics | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        if not agents:
+            raise ConfigError("no agent to run: name at least one MODULE:AGENT")
+        names = [a.name for a in agents]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"agent names must differ within one worker, got {names}")
+        self.agents = list(agents)
+        self.settings = settings or load_settings()
+        self.metrics = metrics or Metrics()
+        self.metrics_port = metrics_port if metrics_port is not None else self.settings.metrics_port
+        self.ready = asyncio.Event()
+        self._store = store
+        self._own_store = store is None
+        self._consumers: list[Consumer] = []
+        self._engines: list[Engine[Any]] = []
+        self._stopping = asyncio.Event()
+        self._conn: Connection | None = None
+
+    async def run(self) -> None:
+        """Connect, provision (unless disabled), consume until ``stop()``, then clean up."""
+        settings = self.settings
+        endpoint: HttpEndpoint | None = None
+        try:
+            if self._store is None:
+                self._store = await asyncio.to_thread(open_store, settings.store_url)
+            self._conn = conn = await connect(settings, name=f"meshforge-{'-'.join(a.name for a in self.agents)}")
+            specs = [agent_consumer(a.name, settings) for a in self.agents]
+            if settings.provision:
+                await ensure(conn.js, default_streams(settings), specs)
+            else:
+                await verify(conn.js, default_streams(settings), specs)
+            publisher = Publisher(conn.js, settings, self.metrics)
+            for agent, spec in zip(self.agents, specs, strict=True):
+                engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
+                self._engines.append(engine)
+                consumer = Consumer(
+                    conn, spec, batch_handler=engine.handle, settings=settings,
+                    metrics=self.metrics, publisher=publisher, provision=False,
+                )  # fmt: skip
+                self._consumers.append(consumer)
+            if self.metrics_port is not None:
+                endpoint = await serve_http(
+                    "0.0.0.0", self.metrics_port, self.metrics, conn.health, self.ready.is_set
+                )
+                log.info("metrics on :%d", endpoint.port)
+            runs = [asyncio.create_task(c.run()) for c in self._consumers]
+            await self._wait_ready(runs)
+            self.ready.set()
+            log.info("running %s", ", ".join(a.name for a in self.agents))
+            stop = asyncio.create_task(self._stopping.wait())
+            await asyncio.wait([*runs, stop], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.gather(*(c.stop(settings.shutdown_timeout) for c in self._consumers))
+            results = await asyncio.gather(*runs, return_exceptions=True)
+            stop.cancel()
+            for result in results:
+                if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                    raise result
+        finally:
+            self.ready.clear()
+            if endpoint is not None:
+                await endpoint.close()
+            for engine in self._engines:
+                await asyncio.to_thread(engine.close)
+            if self._conn is not None:
+                await self._conn.close()
+            if self._own_store and self._store is not None:
+                await asyncio.to_thread(self._store.close)
+
+    async def _wait_ready(self, runs: list[asyncio.Task[None]]) -> None:
+        for consumer, run in zip(self._consumers, runs, strict=True):
+            ready = asyncio.create_task(consumer.ready.wait())
+            done, _ = await asyncio.wait({ready, run}, return_when=asyncio.FIRST_COMPLETED)
+            if run in done:
+                ready.cancel()
+                run.result()  # the consumer's own error, if it failed to start
+                return
+
+    async def stop(self) -> None:
+        """Graceful: stop fetching, let in-flight batches finish (or nak them), then return."""
+        self._stopping.set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGINT and SIGTERM call ``stop()``."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, self._stopping.set)
