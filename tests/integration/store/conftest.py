@@ -1,7 +1,8 @@
 """Fixtures for the store conformance suite: every test runs on SQLite and PostgreSQL.
 
-Each PostgreSQL test gets a schema of its own in the session database (``?schema=``),
-dropped afterwards, so tests never see each other's rows.
+PostgreSQL tests share one schema of the session database (``?schema=``); after each
+test its tables are emptied and any table the test made is dropped, so tests never see
+each other's rows.
 """
 
 from __future__ import annotations
@@ -36,13 +37,30 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
+@pytest.fixture(scope="session")
+def pg_store_schema(pg_database: str) -> str:
+    """One schema for the suite; the tables are created once, emptied after each test."""
+    return f"store_{uuid.uuid4().hex[:10]}"
+
+
 @pytest.fixture
-def pg_schema_url(pg_database: str) -> Iterator[str]:
-    """A PostgreSQL store URL on a fresh schema, dropped after the test."""
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    yield f"{pg_database}?schema={schema}"
+def pg_schema_url(pg_database: str, pg_store_schema: str) -> Iterator[str]:
+    """A PostgreSQL store URL whose tables are empty; the test's own tables are dropped after."""
+    yield f"{pg_database}?schema={pg_store_schema}"
     with psycopg.connect(pg_database, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        names = [
+            row[0]
+            for row in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = %s", (pg_store_schema,)
+            )
+        ]
+        ours = [n for n in names if n.startswith("meshforge_") and n != "meshforge_schema_version"]
+        theirs = [n for n in names if not n.startswith("meshforge_")]
+        qualified = ", ".join(f'"{pg_store_schema}"."{n}"' for n in ours)
+        if ours:
+            conn.execute(f"TRUNCATE {qualified} RESTART IDENTITY")
+        for name in theirs:
+            conn.execute(f'DROP TABLE "{pg_store_schema}"."{name}" CASCADE')
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
