@@ -1,0 +1,334 @@
+"""The node runtime: pulls a node's mailbox and applies the control-plane rules, in order.
+
+1. A command id already answered: publish the stored reply again, run nothing.
+2. ``deadline_ts`` passed: reply ``expired``, dead-letter ``expired``, run nothing.
+3. ``expected_node_epoch`` set and not the current epoch: reply ``rejected``, dead-letter
+   ``rejected``, run nothing.
+4. ``not_before_ts`` in the future: nak with the time left as delay. The durable consumer
+   has unlimited MaxDeliver, so waiting never burns deliveries; real failed runs are
+   counted in the store and give up (``error`` reply + dead letter) after ``max_deliver``.
+5. Otherwise run the handler (the consumer keeps long runs alive with in-progress), store
+   the reply and the id in one transaction, publish the reply, ack.
+
+Example::
+
+    store = open_store("sqlite:///.meshforge/node.db")
+    async with await connect(settings) as conn:
+        runtime = NodeRuntime(DemoNode(), "lab1", "node7", conn, store, settings=settings)
+        runtime.install_signal_handlers()
+        await runtime.run()           # until SIGINT/SIGTERM or runtime.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import msgspec
+
+from meshforge.config import Settings, load_settings
+from meshforge.connection import Connection
+from meshforge.consumer import Consumer, Decision, Delivery
+from meshforge.control.client import node_durable
+from meshforge.control.node import CommandContext, Node
+from meshforge.control.presence import Presence
+from meshforge.control.reply import Status, reply_envelope
+from meshforge.envelope import Envelope, decode
+from meshforge.errors import Expired, MalformedMessage, Rejected, Retry, Unrecoverable, one_line
+from meshforge.faults import crash_point
+from meshforge.observability import Metrics
+from meshforge.publisher import Publisher
+from meshforge.store.base import Store, Transaction
+from meshforge.subjects import control_reply_subject
+from meshforge.topology import default_streams, ensure, node_consumer
+
+__all__ = ["NodeRuntime"]
+
+log = logging.getLogger("meshforge.control.node")
+T = TypeVar("T")
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder()
+
+
+def _parse_ts(value: str) -> datetime:
+    parsed = datetime.fromisoformat(value)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _pack(reply: Envelope, dead_letter: str | None) -> bytes:
+    # Stored with the reply: whether the command is also dead-lettered, so a re-send after
+    # a crash between commit and dead letter still writes it (deduplicated by the server).
+    return _ENCODER.encode({"dead_letter": dead_letter, "reply": reply.encode().decode()})
+
+
+def _unpack(data: bytes) -> tuple[Envelope, str | None]:
+    obj = _DECODER.decode(data)
+    return decode(obj["reply"].encode()), obj.get("dead_letter")
+
+
+class NodeRuntime:
+    """Runs one ``Node`` as ``<site>.<node>``: counts the epoch, announces presence, and
+    answers every command in the mailbox exactly once (see the module docstring)."""
+
+    def __init__(
+        self,
+        node: Node,
+        site: str,
+        name: str,
+        conn: Connection,
+        store: Store,
+        *,
+        settings: Settings | None = None,
+        presence_interval: float = 10.0,
+        metrics: Metrics | None = None,
+        publisher: Publisher | None = None,
+    ) -> None:
+        self.node = node
+        self.site = site
+        self.name = name
+        self.conn = conn
+        self.store = store
+        self.settings = settings if settings is not None else load_settings()
+        self.metrics = metrics if metrics is not None else Metrics.default()
+        self.publisher = publisher or Publisher(conn.js, self.settings, self.metrics)
+        self.spec = node_consumer(site, name, self.settings)
+        self.durable = node_durable(site, name)
+        self.reply_subject = control_reply_subject(site, name)
+        self.presence = Presence(
+            conn.js,
+            site,
+            name,
+            version=node.version,
+            interval=presence_interval,
+            replicas=self.settings.replicas,
+            create=self.settings.provision,
+        )
+        self.epoch = 0
+        self.ready = asyncio.Event()
+        self._consumer: Consumer | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        """Count this start in the epoch, announce, then answer commands until ``stop()``."""
+        if self.settings.provision:
+            await ensure(self.conn.js, default_streams(self.settings), [self.spec])
+        self.epoch = await self._tx(lambda tx: tx.node_epoch_bump(self.site, self.name))
+        log.info("node %s.%s starting at epoch %d", self.site, self.name, self.epoch)
+        await self.node.on_start(self.site, self.name, self.epoch)
+        await self.presence.announce(self.epoch)
+        self.presence.start(lambda: self.epoch)
+        consumer = Consumer(
+            self.conn,
+            self.spec,
+            handler=self._handle,
+            settings=self.settings,
+            max_deliver=None,
+            metrics=self.metrics,
+            publisher=self.publisher,
+            provision=self.settings.provision,
+        )
+        self._consumer = consumer
+        waiter = asyncio.create_task(self._mark_ready(consumer))
+        try:
+            if not self._stopping:
+                await consumer.run()
+        finally:
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiter
+            await self.presence.stop()
+            await self.node.on_stop()
+            log.info("node %s.%s stopped", self.site, self.name)
+
+    async def _mark_ready(self, consumer: Consumer) -> None:
+        await consumer.ready.wait()
+        self.ready.set()
+
+    async def stop(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Stop pulling; commands in flight finish (or are nak'ed for redelivery)."""
+        self._stopping = True
+        if self._consumer is not None:
+            await self._consumer.stop(timeout)
+
+    def install_signal_handlers(self) -> None:
+        """SIGINT / SIGTERM stop the node gracefully."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
+
+    async def _tx(self, work: Callable[[Transaction], T]) -> T:
+        return await asyncio.to_thread(self.store.run, work)
+
+    # ------------------------------------------------------------------ the rules
+
+    async def _handle(self, delivery: Delivery) -> Decision | None:
+        env = delivery.envelope
+        if env is None:  # the consumer decodes; this guards a consumer built without it
+            return Decision.dead_letter("malformed", "control message without an envelope")
+        site, name, command_id = self.site, self.name, env.id
+
+        def look(tx: Transaction) -> tuple[bytes | None, int | None]:
+            return tx.node_reply_get(site, name, command_id), tx.node_epoch(site, name)
+
+        stored, epoch = await self._tx(look)
+        if stored is not None:
+            return await self._resend(stored, env)
+        # HA instances share the store: the current epoch is the store's, not this process's.
+        self.epoch = current = epoch if epoch is not None else self.epoch
+        now = datetime.now(UTC)
+        if env.deadline_ts and _parse_ts(env.deadline_ts) <= now:
+            error = f"deadline {env.deadline_ts} passed before the command ran"
+            return await self._finish(env, "expired", None, error, dead_letter="expired")
+        expected = env.expected_node_epoch
+        if expected is not None and expected != current:
+            error = f"expected node epoch {expected}, the node is at epoch {current}"
+            return await self._finish(env, "rejected", None, error, dead_letter="rejected")
+        if env.not_before_ts:
+            wait = (_parse_ts(env.not_before_ts) - now).total_seconds()
+            if wait > 0:
+                log.debug(
+                    "command %s (%s) waits %.3fs for its not_before", command_id, env.type, wait
+                )
+                return Decision.nak(delay=wait)
+        return await self._run(delivery, env, current)
+
+    async def _run(self, delivery: Delivery, env: Envelope, epoch: int) -> Decision | None:
+        handler = self.node.handler_for(env.type)
+        if handler is None:
+            error = f"unknown command {env.type!r}; this node runs {', '.join(self.node.commands()) or 'nothing'}"
+            return await self._finish(env, "error", None, error, dead_letter="unrecoverable")
+
+        def begin(tx: Transaction) -> int:
+            record = tx.inbox_begin(
+                env.id,
+                self.durable,
+                message_id=env.id,
+                type=env.type,
+                subject=delivery.subject,
+                stream=delivery.stream,
+                stream_seq=delivery.seq,
+                deliveries=delivery.num_delivered,
+                headers=delivery.headers,
+                resource_type=env.resource_type,
+                resource_id=env.resource_id,
+            )
+            return record.attempts
+
+        # Counted before the run, so a command that kills the node also runs out of attempts.
+        attempt = await self._tx(begin)
+        limit = self.settings.max_deliver
+        if attempt > limit:
+            error = f"gave up after {limit} attempt(s) that did not finish"
+            return await self._finish(
+                env, "error", None, error, dead_letter="max_deliveries", begun=True
+            )
+        ctx = CommandContext(site=self.site, node=self.name, epoch=epoch, envelope=env)
+        try:
+            result = await handler(dict(env.payload), ctx)
+            _ENCODER.encode(result)
+        except Expired as exc:
+            return await self._finish(
+                env, "expired", None, one_line(exc), dead_letter="expired", begun=True
+            )
+        except Rejected as exc:
+            return await self._finish(
+                env, "rejected", None, one_line(exc), dead_letter="rejected", begun=True
+            )
+        except (Unrecoverable, MalformedMessage, TypeError, msgspec.EncodeError) as exc:
+            return await self._finish(
+                env, "error", None, one_line(exc), dead_letter="unrecoverable", begun=True
+            )
+        except Exception as exc:  # any other failure of the handler is one failed attempt
+            return await self._failed(env, exc, attempt)
+        crash_point("after_handler")
+        return await self._finish(
+            env, "ok", result, None, restart=ctx.restart_requested, begun=True
+        )
+
+    async def _failed(self, env: Envelope, exc: Exception, attempt: int) -> Decision | None:
+        limit = self.settings.max_deliver
+        error = one_line(exc)
+        if attempt >= limit:
+            error = f"failed {attempt} time(s), last: {error}"
+            return await self._finish(
+                env, "error", None, error, dead_letter="max_deliveries", begun=True
+            )
+        await self._tx(lambda tx: tx.inbox_failed(env.id, self.durable, error))
+        backoff = self.settings.backoff or (1.0,)
+        delay = exc.delay if isinstance(exc, Retry) and exc.delay is not None else None
+        delay = delay if delay is not None else backoff[min(attempt, len(backoff)) - 1]
+        log.warning(
+            "command %s (%s) attempt %d/%d failed: %s", env.id, env.type, attempt, limit, error
+        )
+        return Decision.nak(delay=delay)
+
+    async def _finish(
+        self,
+        env: Envelope,
+        status: Status,
+        result: Any,
+        error: str | None,
+        *,
+        dead_letter: str | None = None,
+        restart: bool = False,
+        begun: bool = False,
+    ) -> Decision | None:
+        """Store the reply (and the id) in one transaction, publish it, then ack or dead-letter."""
+        site, name = self.site, self.name
+
+        def commit(tx: Transaction) -> tuple[bytes, bool]:
+            existing = tx.node_reply_get(site, name, env.id)
+            if existing is not None:  # another instance answered first: its reply stands
+                return existing, False
+            epoch = tx.node_epoch_bump(site, name) if restart else tx.node_epoch(site, name)
+            reply = reply_envelope(
+                env,
+                site=site,
+                node=name,
+                status=status,
+                result=result,
+                error=error,
+                node_epoch=epoch,
+            )
+            packed = _pack(reply, dead_letter)
+            tx.node_reply_put(site, name, env.id, packed)
+            if begun:
+                tx.inbox_done(env.id, self.durable)
+            return packed, True
+
+        packed, fresh = await self._tx(commit)
+        crash_point("after_commit")
+        reply, reason = _unpack(packed)
+        await self.publisher.publish(self.reply_subject, reply)
+        crash_point("after_publish")
+        epoch = reply.payload.get("node_epoch")
+        log.info(
+            "command %s (%s) -> %s at epoch %s",
+            env.id,
+            env.type,
+            reply.payload.get("status"),
+            epoch,
+        )
+        if fresh and restart and isinstance(epoch, int):
+            self.epoch = epoch
+            await self.presence.announce(epoch, started_at=reply.ts)
+        if reason is not None:
+            return Decision.dead_letter(reason, reply.payload.get("error") or reason)
+        return Decision.ack()
+
+    async def _resend(self, stored: bytes, env: Envelope) -> Decision | None:
+        reply, reason = _unpack(stored)
+        self.metrics.duplicates_skipped.labels(consumer=self.durable).inc()
+        log.info("command %s (%s) already answered; sending its reply again", env.id, env.type)
+        await self.publisher.publish(self.reply_subject, reply)
+        if reason is not None:
+            return Decision.dead_letter(reason, reply.payload.get("error") or reason)
+        return Decision.ack()

@@ -1,0 +1,315 @@
+"""The control plane end to end: real server, nodes as subprocesses (``meshforge node``).
+
+"Runs once" is proven by the test node's run log, a file outside the node's store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from control_support import MESHFORGE, NodeProcess, dead_letter, reply_count, runs, stored_count
+from nats.js.errors import NotFoundError
+
+from meshforge.config import load_settings
+from meshforge.connection import Connection, connect
+from meshforge.control import ControlClient, Reply, node_durable
+from meshforge.subjects import STREAM_CONTROL, control_command_subject, control_reply_subject
+from meshforge.topology import default_streams, ensure
+
+pytestmark = pytest.mark.timeout(120)
+
+REPLY_TIMEOUT = 20.0
+
+
+@pytest.fixture
+async def conn(nats_url: str) -> AsyncIterator[Connection]:
+    connection = await connect(load_settings({"nats_url": nats_url}), name="control-test")
+    await ensure(connection.js, default_streams(load_settings()), [])
+    yield connection
+    await connection.close()
+
+
+@pytest.fixture
+def ctl(conn: Connection) -> ControlClient:
+    return ControlClient(conn)
+
+
+@pytest.fixture
+def site() -> str:
+    """A site of the test's own, so tests sharing the session server never see each other."""
+    return f"s{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def run_log(tmp_path: Path) -> Path:
+    return tmp_path / "runs.log"
+
+
+NodeFactory = Callable[..., NodeProcess]
+
+
+@pytest.fixture
+def start_node(nats_url: str, tmp_path: Path, run_log: Path, site: str) -> Iterator[NodeFactory]:
+    """Start ``meshforge node <site> n1 control_testnode:RecordingNode``; stopped at the end."""
+    started: list[NodeProcess] = []
+    store_url = f"sqlite:///{tmp_path / 'node.db'}"
+
+    def start(
+        node: str = "n1", env: dict[str, str] | None = None, label: str | None = None
+    ) -> NodeProcess:
+        proc = NodeProcess(
+            site, node, nats_url=nats_url, store_url=store_url, run_log=run_log,
+            log_dir=tmp_path, env=env, label=label or f"{node}-{len(started)}",
+        )  # fmt: skip
+        started.append(proc.start())
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+async def _reply(ctl: ControlClient, site: str, command_id: str, node: str = "n1") -> Reply:
+    reply = await ctl.wait_reply(site, node, command_id, timeout=REPLY_TIMEOUT)
+    assert reply is not None, f"no reply to {command_id} within {REPLY_TIMEOUT}s"
+    return reply
+
+
+async def test_command_sent_while_node_is_down_runs_when_it_starts(
+    ctl: ControlClient, conn: Connection, site: str, run_log: Path, start_node: NodeFactory
+) -> None:
+    command_id = await ctl.send(site, "n1", "echo", {"hello": "world"})
+    before = await ctl.status(site, "n1")
+    assert (before.epoch, before.mailbox_depth, before.consumer_exists) == (None, 1, False)
+
+    start_node()
+    reply = await _reply(ctl, site, command_id)
+    assert (reply.status, reply.result, reply.error, reply.node_epoch) == (
+        "ok",
+        {"hello": "world"},
+        None,
+        1,
+    )
+    assert reply.envelope.causation_id == command_id
+    assert [r[0] for r in runs(run_log)] == [command_id]
+
+    after = await ctl.status(site, "n1")
+    assert after.epoch == 1 and after.alive and after.consumer_exists
+    assert after.mailbox_depth == 0
+    assert await reply_count(conn.js, control_reply_subject(site, "n1")) == 1
+
+
+async def test_scheduled_command_runs_at_its_time_not_before(
+    ctl: ControlClient, site: str, run_log: Path, start_node: NodeFactory
+) -> None:
+    # max_deliver=1: waiting for not_before must not count as failed deliveries.
+    node = start_node(env={"MESHFORGE_MAX_DELIVER": "1"})
+    warm = await ctl.send(site, "n1", "echo", {"warm": True})
+    await _reply(ctl, site, warm)
+
+    not_before = datetime.now(UTC) + timedelta(seconds=3)
+    command_id = await ctl.send(site, "n1", "echo", {"at": "later"}, not_before=not_before)
+    reply = await _reply(ctl, site, command_id)
+    assert reply.status == "ok", node.log()
+    [(_, _, ran_at)] = [r for r in runs(run_log) if r[0] == command_id]
+    lateness = ran_at - not_before.timestamp()
+    assert 0 <= lateness <= 1.0, f"ran {lateness:+.3f}s after its not_before"
+
+
+async def test_expired_command_is_not_run(
+    ctl: ControlClient, conn: Connection, site: str, run_log: Path, start_node: NodeFactory
+) -> None:
+    deadline = datetime.now(UTC) - timedelta(seconds=1)
+    command_id = await ctl.send(site, "n1", "echo", {"late": True}, deadline=deadline)
+    start_node()
+    reply = await _reply(ctl, site, command_id)
+    assert reply.status == "expired" and reply.result is None
+    assert reply.error and "deadline" in reply.error
+    letter = await dead_letter(conn.js, control_command_subject(site, "n1"))
+    assert letter.headers is not None and letter.headers["Dlq-Reason"] == "expired"
+    assert json.loads(letter.data or b"")["id"] == command_id
+    assert runs(run_log) == []
+
+
+async def test_epoch_mismatch_is_rejected_and_restart_bumps_the_epoch(
+    ctl: ControlClient, conn: Connection, site: str, run_log: Path, start_node: NodeFactory
+) -> None:
+    start_node()
+    wrong = await ctl.send(site, "n1", "echo", {}, expect_epoch=7)
+    reply = await _reply(ctl, site, wrong)
+    assert (reply.status, reply.node_epoch) == ("rejected", 1)
+    letter = await dead_letter(conn.js, control_command_subject(site, "n1"))
+    assert letter.headers is not None and letter.headers["Dlq-Reason"] == "rejected"
+    assert runs(run_log) == []
+
+    right = await ctl.send(site, "n1", "echo", {"n": 1}, expect_epoch=1)
+    assert (await _reply(ctl, site, right)).status == "ok"
+
+    restart = await ctl.send(site, "n1", "restart", {})
+    reply = await _reply(ctl, site, restart)
+    assert (reply.status, reply.node_epoch, reply.result["previous_epoch"]) == ("ok", 2, 1)
+    stale = await ctl.send(site, "n1", "echo", {}, expect_epoch=1)
+    assert (await _reply(ctl, site, stale)).status == "rejected"
+    fresh = await ctl.send(site, "n1", "echo", {}, expect_epoch=2)
+    assert (await _reply(ctl, site, fresh)).node_epoch == 2
+    assert [r[0] for r in runs(run_log)] == [right, fresh]
+    assert (await ctl.status(site, "n1")).epoch == 2
+
+
+@pytest.mark.parametrize("crash_at", ["after_commit", "after_publish"])
+async def test_node_killed_before_its_ack_does_not_run_the_command_twice(
+    ctl: ControlClient,
+    conn: Connection,
+    site: str,
+    run_log: Path,
+    start_node: NodeFactory,
+    crash_at: str,
+) -> None:
+    crashing = start_node(env={"MESHFORGE_CRASH_AT": crash_at, "MESHFORGE_ACK_WAIT": "2"})
+    command_id = await ctl.send(site, "n1", "echo", {"once": True})
+    assert await crashing.wait_exit(REPLY_TIMEOUT) == -9, crashing.log()
+    assert [r[0] for r in runs(run_log)] == [command_id]
+
+    start_node(env={"MESHFORGE_ACK_WAIT": "2"})
+    reply = await _reply(ctl, site, command_id)
+    assert (reply.status, reply.result, reply.node_epoch) == ("ok", {"once": True}, 1)
+    # The mailbox empties (the redelivery was acked) and the command ran exactly once.
+    end = time.monotonic() + REPLY_TIMEOUT
+    while (await ctl.status(site, "n1")).mailbox_depth and time.monotonic() < end:
+        await _pause()
+    assert (await ctl.status(site, "n1")).mailbox_depth == 0
+    assert [r[0] for r in runs(run_log)] == [command_id]
+    assert await reply_count(conn.js, control_reply_subject(site, "n1")) == 1
+
+
+async def test_two_instances_of_a_node_run_each_command_once(
+    ctl: ControlClient, conn: Connection, site: str, run_log: Path, start_node: NodeFactory
+) -> None:
+    a, b = start_node(label="a"), start_node(label="b")
+    # Both instances are pulling: two pull requests wait on the one durable consumer.
+    end = time.monotonic() + REPLY_TIMEOUT
+    while not await _waiting_pulls(conn, site, at_least=2):
+        assert time.monotonic() < end, f"the two instances never both pulled:\n{a.log()}\n{b.log()}"
+        await _pause()
+    ids = list(await asyncio.gather(*(ctl.send(site, "n1", "echo", {"i": i}) for i in range(40))))
+    replies = [await _reply(ctl, site, command_id) for command_id in ids]
+    assert [r.result for r in replies] == [{"i": i} for i in range(40)]
+    assert all(r.status == "ok" for r in replies)
+    ran = [r[0] for r in runs(run_log)]
+    assert sorted(ran) == sorted(ids), "every command ran exactly once"
+    assert "-> ok" in a.log() and "-> ok" in b.log(), "both instances took a share of the work"
+    assert await reply_count(conn.js, control_reply_subject(site, "n1")) == 40
+    assert await stored_count(conn.js, STREAM_CONTROL, control_command_subject(site, "n1")) == 0
+
+
+async def _waiting_pulls(conn: Connection, site: str, *, at_least: int) -> bool:
+    try:
+        info = await conn.js.consumer_info(STREAM_CONTROL, node_durable(site, "n1"))
+    except NotFoundError:
+        return False
+    return (info.num_waiting or 0) >= at_least
+
+
+async def test_malformed_control_message_is_dead_lettered(
+    ctl: ControlClient, conn: Connection, site: str, run_log: Path, start_node: NodeFactory
+) -> None:
+    start_node()
+    subject = control_command_subject(site, "n1")
+    await conn.js.publish(subject, b"{not json", headers={"Nats-Msg-Id": f"bad-{site}"})
+    letter = await dead_letter(conn.js, subject)
+    assert letter.headers is not None and letter.headers["Dlq-Reason"] == "malformed"
+    assert letter.data == b"{not json"
+    command_id = await ctl.send(site, "n1", "echo", {"still": "alive"})
+    assert (await _reply(ctl, site, command_id)).status == "ok"
+    assert [r[0] for r in runs(run_log)] == [command_id]
+
+
+async def test_repeated_id_gets_the_stored_reply_and_failing_command_gives_up(
+    ctl: ControlClient, conn: Connection, site: str, run_log: Path, start_node: NodeFactory
+) -> None:
+    start_node(env={"MESHFORGE_MAX_DELIVER": "2", "MESHFORGE_BACKOFF": "100ms"})
+    first = await ctl.send(site, "n1", "echo", {"v": 1}, command_id=f"{site}-fixed")
+    assert (await _reply(ctl, site, first)).result == {"v": 1}
+    # The same id again, past the server's duplicate window: a new message, not run again.
+    await conn.js.publish(
+        control_command_subject(site, "n1"),
+        json.dumps({"id": first, "type": "echo", "payload": {"v": 2}}).encode(),
+        headers={"Nats-Msg-Id": f"{first}-again"},
+    )
+    end = time.monotonic() + REPLY_TIMEOUT
+    while await stored_count(conn.js, STREAM_CONTROL, control_command_subject(site, "n1")):
+        assert time.monotonic() < end, "the repeated command was never acked"
+        await _pause()
+    assert [r[0] for r in runs(run_log)] == [first]
+
+    failing = await ctl.send(site, "n1", "fail", {})
+    reply = await _reply(ctl, site, failing)
+    assert reply.status == "error" and reply.error and "always fails" in reply.error
+    letter = await dead_letter(conn.js, control_command_subject(site, "n1"))
+    assert letter.headers is not None and letter.headers["Dlq-Reason"] == "max_deliveries"
+    assert [r[1] for r in runs(run_log)].count("fail") == 2
+
+
+async def test_ctl_commands_send_wait_and_status(
+    nats_url: str, site: str, start_node: NodeFactory
+) -> None:
+    start_node()
+    sent = _cli(
+        "ctl", "send", site, "n1", "echo", '{"ping": 1}', "--wait", "20", "--nats-url", nats_url
+    )
+    assert sent.returncode == 0, sent.stderr
+    reply = json.loads(sent.stdout)
+    assert (reply["status"], reply["result"], reply["node_epoch"]) == ("ok", {"ping": 1}, 1)
+
+    rejected = _cli(
+        "ctl",
+        "send",
+        site,
+        "n1",
+        "echo",
+        "--expect-epoch",
+        "9",
+        "--wait",
+        "20",
+        "--nats-url",
+        nats_url,
+    )
+    assert rejected.returncode == 1 and json.loads(rejected.stdout)["status"] == "rejected"
+
+    queued = _cli(
+        "ctl",
+        "send",
+        site,
+        "n1",
+        "sleep",
+        '{"seconds": 0}',
+        "--not-before",
+        "1h",
+        "--nats-url",
+        nats_url,
+    )
+    assert queued.returncode == 0 and "queued sleep as" in queued.stdout
+
+    status = _cli("ctl", "status", site, "n1", "--json", "--nats-url", nats_url)
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert (report["epoch"], report["alive"], report["mailbox_depth"]) == (1, True, 1)
+
+    bad = _cli("ctl", "send", site, "n1", "echo", "[1]", "--nats-url", nats_url)
+    assert bad.returncode != 0 and "JSON object" in bad.stderr
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(MESHFORGE), *args], capture_output=True, text=True, timeout=60)
+
+
+async def _pause() -> None:
+    await asyncio.sleep(0.05)  # polling interval while waiting for the server's state
