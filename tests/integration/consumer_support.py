@@ -48,7 +48,9 @@ async def publish_envelopes(
 
 
 async def wait_until(
-    check: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "condition"
+    check: Callable[[], bool | Awaitable[bool]],
+    timeout: float = 10.0,  # noqa: ASYNC109
+    what: str = "condition",
 ) -> None:
     """Poll ``check`` until true; fail with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -65,7 +67,9 @@ async def wait_until(
         delay = min(delay * 2, 0.1)
 
 
-async def dead_letters(js: JetStreamContext, original_subject: str | None = None) -> list[RawStreamMsg]:
+async def dead_letters(
+    js: JetStreamContext, original_subject: str | None = None
+) -> list[RawStreamMsg]:
     """Every message in MESHFORGE_FAILED (of one original subject)."""
     try:
         info = await js.stream_info(STREAM_FAILED)
@@ -85,11 +89,15 @@ async def dead_letters(js: JetStreamContext, original_subject: str | None = None
 
 
 @contextlib.asynccontextmanager
-async def running(consumer: Consumer, *, timeout: float = 10.0) -> AsyncIterator[asyncio.Task[None]]:
+async def running(
+    consumer: Consumer, *, start_within: float = 10.0
+) -> AsyncIterator[asyncio.Task[None]]:
     """Run ``consumer`` in a task until the block ends; waits until it is ready."""
     task = asyncio.create_task(consumer.run())
     ready = asyncio.ensure_future(consumer.ready.wait())
-    done, _ = await asyncio.wait({task, ready}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait(
+        {task, ready}, timeout=start_within, return_when=asyncio.FIRST_COMPLETED
+    )
     if task in done:
         ready.cancel()
         task.result()  # raises the start-up error
