@@ -1,0 +1,276 @@
+"""A small synchronous NATS client for Spark tasks and the planner.
+
+Spark calls data-source methods synchronously, on executors as well as on the driver.
+Each call that needs NATS opens its own short-lived nats-py connection inside its own
+asyncio loop: nothing NATS-related is ever pickled or shared between tasks.
+
+Example::
+
+    conn = ConnOptions.from_options({"servers": "nats://127.0.0.1:4222"})
+    with SyncNats(conn) as client:
+        info = client.stream_info("MESHFORGE_EVENTS")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import ssl
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology, one_line
+
+__all__ = ["ConnOptions", "JetStreamApiError", "StreamInfo", "SyncNats", "lower_keys"]
+
+T = TypeVar("T")
+
+_NOT_FOUND = 10059  # JetStream's "stream not found" error code
+
+
+class JetStreamApiError(ConnectionFailed):
+    """A JetStream API call answered with an error."""
+
+    def __init__(self, message: str, *, code: int = 0, err_code: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.err_code = err_code
+
+
+def lower_keys(options: Mapping[str, str]) -> dict[str, str]:
+    """Spark's options are case-insensitive: look them up by their lower-case names."""
+    return {str(k).lower(): v for k, v in options.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ConnOptions:
+    """How to reach NATS: the data source's connection options, picklable."""
+
+    servers: tuple[str, ...]
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    connect_timeout: float = 5.0
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str]) -> ConnOptions:
+        """Read ``servers`` (comma separated), auth and TLS options; env as fallback."""
+        options = lower_keys(options)
+        raw = options.get("servers") or os.environ.get("MESHFORGE_NATS_URL")
+        if not raw:
+            raise ConfigError("jetstream: option 'servers' is required (e.g. nats://127.0.0.1:4222)")
+        servers = tuple(s.strip() for s in str(raw).split(",") if s.strip())
+        try:
+            timeout = float(options.get("connect_timeout", "5"))
+        except ValueError:
+            raise ConfigError(
+                f"jetstream: option 'connect_timeout' must be a number, got {options.get('connect_timeout')!r}"
+            ) from None
+        conn = cls(
+            servers=servers,
+            user=options.get("user"),
+            password=options.get("password"),
+            token=options.get("token"),
+            creds=options.get("creds"),
+            tls_ca=options.get("tls_ca"),
+            tls_cert=options.get("tls_cert"),
+            tls_key=options.get("tls_key"),
+            connect_timeout=timeout,
+        )
+        for name in ("creds", "tls_ca", "tls_cert", "tls_key"):
+            path = getattr(conn, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"jetstream: option '{name}' must name a readable file, got {path!r}")
+        return conn
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect``: quick to fail, no reconnect loops."""
+        kwargs: dict[str, Any] = {
+            "servers": list(self.servers),
+            "connect_timeout": self.connect_timeout,
+            "allow_reconnect": False,
+            "max_reconnect_attempts": 0,
+            "name": "meshforge-spark",
+        }
+        if self.user is not None:
+            kwargs["user"] = self.user
+            kwargs["password"] = self.password or ""
+        if self.token is not None:
+            kwargs["token"] = self.token
+        if self.creds is not None:
+            kwargs["user_credentials"] = self.creds
+        if self.tls_ca or self.tls_cert:
+            try:
+                context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
+                if self.tls_cert:
+                    context.load_cert_chain(self.tls_cert, self.tls_key)
+            except (ssl.SSLError, OSError) as exc:
+                raise ConfigError(f"jetstream: cannot load TLS files: {one_line(exc, 300)}") from None
+            kwargs["tls"] = context
+        return kwargs
+
+
+@dataclass(frozen=True, slots=True)
+class StreamInfo:
+    """What the reader needs to know about a stream."""
+
+    name: str
+    first_seq: int
+    last_seq: int
+    messages: int
+    bytes: int
+    retention: str
+    allow_direct: bool
+    first_ts: str | None
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence the next stored message will get."""
+        return self.last_seq + 1
+
+    @property
+    def avg_size(self) -> int:
+        return self.bytes // self.messages if self.messages else 0
+
+
+class SyncNats:
+    """One NATS connection driven by a private event loop; use as a context manager."""
+
+    def __init__(self, conn: ConnOptions) -> None:
+        self.conn = conn
+        self._loop = asyncio.new_event_loop()
+        self._nc: NATS | None = None
+        try:
+            self._nc = self.run(self._connect())
+        except BaseException:
+            self._loop.close()
+            raise
+
+    async def _connect(self) -> NATS:
+        async def quiet(_exc: Exception) -> None:  # errors surface through the calls instead
+            return None
+
+        try:
+            return await nats.connect(error_cb=quiet, **self.conn.connect_kwargs())
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConnectionFailed(
+                f"cannot connect to NATS at {','.join(self.conn.servers)}: {one_line(exc, 300)}"
+            ) from None
+
+    @property
+    def nc(self) -> NATS:
+        if self._nc is None:
+            raise ConnectionFailed("the NATS connection is closed")
+        return self._nc
+
+    @property
+    def js(self) -> JetStreamContext:
+        return self.nc.jetstream()
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    def reconnect(self) -> None:
+        """Drop a broken connection and open a new one."""
+        nc, self._nc = self._nc, None
+        if nc is not None and not nc.is_closed:
+            with contextlib.suppress(Exception):  # it is broken already
+                self.run(nc.close())
+        self._nc = self.run(self._connect())
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` to completion on this client's loop."""
+        return self._loop.run_until_complete(coro)
+
+    async def api(self, subject: str, payload: Mapping[str, Any] | None = None, wait: float = 5.0) -> dict[str, Any]:
+        """A JetStream API request; raises JetStreamApiError on an error answer."""
+        body = json.dumps(payload).encode() if payload is not None else b""
+        try:
+            msg = await self.nc.request(subject, body, timeout=wait)
+        except Exception as exc:
+            raise ConnectionFailed(f"JetStream API {subject}: {one_line(exc, 300)}") from None
+        try:
+            answer: dict[str, Any] = json.loads(msg.data or b"{}")
+        except ValueError:
+            raise JetStreamApiError(f"JetStream API {subject}: answer is not JSON") from None
+        err = answer.get("error")
+        if err:
+            raise JetStreamApiError(
+                f"JetStream API {subject}: {err.get('description', 'error')}",
+                code=int(err.get("code", 0)),
+                err_code=int(err.get("err_code", 0)),
+            )
+        return answer
+
+    async def stream_info_async(self, stream: str) -> StreamInfo:
+        try:
+            answer = await self.api(f"$JS.API.STREAM.INFO.{stream}")
+        except JetStreamApiError as exc:
+            if exc.err_code == _NOT_FOUND or exc.code == 404:
+                raise MissingTopology(
+                    f"stream {stream!r} not found on {','.join(self.conn.servers)}"
+                ) from None
+            raise
+        config, state = answer.get("config", {}), answer.get("state", {})
+        return StreamInfo(
+            name=stream,
+            first_seq=int(state.get("first_seq", 0)),
+            last_seq=int(state.get("last_seq", 0)),
+            messages=int(state.get("messages", 0)),
+            bytes=int(state.get("bytes", 0)),
+            retention=str(config.get("retention", "limits")),
+            allow_direct=bool(config.get("allow_direct", False)),
+            first_ts=state.get("first_ts"),
+        )
+
+    def stream_info(self, stream: str) -> StreamInfo:
+        """The stream's state (first/last sequence, retention); MissingTopology if absent."""
+        return self.run(self.stream_info_async(stream))
+
+    def seq_at_time(self, stream: str, when_rfc3339: str) -> int:
+        """The first sequence stored at or after a time (the next sequence if none)."""
+
+        async def lookup() -> int:
+            try:
+                answer = await self.api(
+                    f"$JS.API.STREAM.MSG.GET.{stream}", {"start_time": when_rfc3339}
+                )
+            except JetStreamApiError as exc:
+                if exc.code == 404:
+                    return (await self.stream_info_async(stream)).next_seq
+                raise
+            return int(answer["message"]["seq"])
+
+        return self.run(lookup())
+
+    def close(self) -> None:
+        nc, self._nc = self._nc, None
+        try:
+            if nc is not None and not nc.is_closed:
+                with contextlib.suppress(Exception):  # closing a connection that already broke
+                    self.run(nc.close())
+        finally:
+            self._loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
