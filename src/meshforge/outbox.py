@@ -1,0 +1,256 @@
+"""The transactional outbox: messages written with the caller's data, published by a relay.
+
+A producer adds messages to the outbox inside its own store transaction (``enqueue``),
+so they exist if and only if its other writes commit. ``OutboxRelay`` claims due rows
+(leased, so several relays can run side by side), publishes them in id order with the
+row's ``msg_id`` as ``Nats-Msg-Id``, marks them sent, and backs off on failure. A relay
+killed after publishing but before marking re-publishes those rows on restart; the
+server's duplicate window stores them once.
+
+Example::
+
+    with store.transaction() as tx:
+        tx.execute("UPDATE stock SET qty = qty - 1 WHERE sku = ?", ("A-1",))
+        enqueue(tx, "evt.default.demo.inventory.reserved", Envelope.new("inventory.reserved", {...}))
+
+    relay = OutboxRelay(store, Publisher(conn.js))
+    task = asyncio.create_task(relay.run())
+    ...
+    await relay.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+
+from meshforge.envelope import Envelope, Outbound
+from meshforge.errors import PublishError, StoreError
+from meshforge.faults import crash_point
+from meshforge.observability import Metrics
+from meshforge.publisher import Publisher, PublishResult
+from meshforge.store.base import OutboxRow, Store, Transaction
+from meshforge.subjects import validate_subject
+
+__all__ = ["OutboxRelay", "enqueue"]
+
+log = logging.getLogger("meshforge.outbox")
+
+_IDLE_START = 0.05
+_DEPTH_EVERY = 1.0
+
+
+def enqueue(tx: Transaction, subject: str, envelope: Envelope) -> int:
+    """Add ``envelope`` to the outbox inside the caller's transaction; returns the row id.
+
+    The subject is checked now (an ``InvalidSubject`` here spoils nothing but this call),
+    so a bad subject never sits in the outbox.
+
+    Example::
+
+        with store.transaction() as tx:
+            enqueue(tx, "evt.default.demo.order.created", env)
+    """
+    validate_subject(subject)
+    return tx.outbox_add(
+        msg_id=envelope.id, subject=subject, data=envelope.encode(), headers=envelope.headers()
+    )
+
+
+class OutboxRelay:
+    """Publishes outbox rows until ``stop()``; ``run_once()`` does one batch.
+
+    ``lease_seconds`` is how long a claimed batch is this relay's before another relay may
+    take it over (keep it well above the time a batch needs to publish). Failed rows are
+    retried after an exponential backoff (``retry_base`` doubling up to ``retry_cap``, with
+    jitter); a permanent error (permission denied, payload too large, ...) or
+    ``max_attempts`` failures give the row up. Sent rows are deleted after ``retention``.
+
+    Rows are published in id order; only a row that failed and is retried later can land
+    after rows enqueued behind it. ``max_in_flight=1`` keeps strict order at a cost.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        publisher: Publisher,
+        *,
+        relay_id: str | None = None,
+        batch_size: int = 100,
+        lease_seconds: float = 30.0,
+        idle: float = 1.0,
+        retention: float | None = None,
+        metrics: Metrics | None = None,
+        max_in_flight: int = 256,
+        retry_base: float = 1.0,
+        retry_cap: float = 60.0,
+        max_attempts: int | None = None,
+        cleanup_every: float = 60.0,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if lease_seconds <= 0:
+            raise ValueError(f"lease_seconds must be > 0, got {lease_seconds}")
+        self.store = store
+        self.publisher = publisher
+        self.relay_id = relay_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.batch_size = batch_size
+        self.lease_seconds = lease_seconds
+        self.idle = max(idle, _IDLE_START)
+        self.retention = publisher.settings.outbox_retention if retention is None else retention
+        self.metrics = metrics if metrics is not None else publisher.metrics
+        self.max_in_flight = max_in_flight
+        self.retry_base = retry_base
+        self.retry_cap = retry_cap
+        self.max_attempts = max_attempts
+        self.cleanup_every = cleanup_every
+        self.sent_total = 0
+        self.pause = 0.0  # the current idle pause, for tests and health reports
+        self._claimed = 0
+        self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._done = asyncio.Event()
+        self._done.set()
+        self._next_depth = 0.0
+        self._next_cleanup = 0.0
+
+    # ------------------------------------------------------------------ control
+    def notify(self) -> None:
+        """Wake an idle relay now (e.g. right after a transaction that enqueued rows)."""
+        self._wake.set()
+
+    async def stop(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Finish the batch in hand, then make ``run()`` return (waits up to ``timeout``)."""
+        self._stopping.set()
+        self._wake.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._done.wait(), timeout)
+
+    async def run(self) -> None:
+        """Publish due rows until ``stop()``; idle with backoff (up to ``idle`` s) when none."""
+        if not self._done.is_set():
+            raise RuntimeError(f"outbox relay {self.relay_id} is already running")
+        self._stopping.clear()
+        self._done.clear()
+        self.pause = pause = _IDLE_START
+        log.info("outbox relay %s started", self.relay_id)
+        try:
+            while not self._stopping.is_set():
+                self._wake.clear()  # a notify() from here on ends the coming pause
+                try:
+                    await self.run_once()
+                    await self._housekeeping()
+                except StoreError as exc:
+                    if exc.kind == "closed":
+                        raise
+                    log.warning("outbox relay %s: %s; retrying in %.2fs", self.relay_id, exc, pause)
+                    self._claimed = 0
+                if self._claimed >= self.batch_size:
+                    pause = _IDLE_START  # more rows are probably due: go on at once
+                    continue
+                if self._claimed:
+                    pause = _IDLE_START
+                self.pause = pause
+                woken = await self._idle(pause)
+                pause = _IDLE_START if woken else min(pause * 2, self.idle)
+        finally:
+            self._done.set()
+            log.info("outbox relay %s stopped (%d rows sent)", self.relay_id, self.sent_total)
+
+    async def _idle(self, seconds: float) -> bool:
+        """Pause up to ``seconds``; True when ``notify()`` or ``stop()`` ended it early."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ one batch
+    async def run_once(self) -> int:
+        """Claim up to ``batch_size`` due rows, publish them, record the outcome; returns rows sent."""
+        rows = await asyncio.to_thread(
+            self.store.outbox_claim, self.relay_id, self.batch_size, self.lease_seconds
+        )
+        self._claimed = len(rows)
+        if not rows:
+            return 0
+        started = time.monotonic()
+        items = [Outbound(r.subject, r.data, dict(r.headers), r.msg_id) for r in rows]
+        outcomes = await self.publisher.publish_each(items, max_in_flight=self.max_in_flight)
+        crash_point("after_publish")
+        elapsed = time.monotonic() - started
+        if elapsed > self.lease_seconds:
+            log.warning(
+                "outbox relay %s: a batch took %.1fs, longer than the %.1fs lease; another "
+                "relay may have published it too (the server drops the duplicates)",
+                self.relay_id, elapsed, self.lease_seconds,
+            )  # fmt: skip
+        sent = [
+            row.id
+            for row, out in zip(rows, outcomes, strict=True)
+            if isinstance(out, PublishResult)
+        ]
+        if sent:
+            await asyncio.to_thread(self.store.outbox_mark_sent, sent)
+            self.sent_total += len(sent)
+        for row, out in zip(rows, outcomes, strict=True):
+            if isinstance(out, PublishError):
+                await self._failed(row, out)
+        return len(sent)
+
+    async def _failed(self, row: OutboxRow, err: PublishError) -> None:
+        attempts = row.attempts + 1
+        give_up = not err.retriable or (
+            self.max_attempts is not None and attempts >= self.max_attempts
+        )
+        delay = random.uniform(0.5, 1.0) * min(
+            self.retry_cap, self.retry_base * 2 ** (attempts - 1)
+        )
+        retry_at = datetime.now(UTC) + timedelta(seconds=delay)
+        await asyncio.to_thread(
+            self.store.outbox_mark_failed, row.id, str(err), retry_at, give_up=give_up
+        )
+        if give_up:
+            log.error(
+                "outbox row %d (msg id %s) given up after %d attempt(s): %s",
+                row.id,
+                row.msg_id,
+                attempts,
+                err,
+            )
+        else:
+            log.warning(
+                "outbox row %d (msg id %s) failed, retry in %.1fs: %s",
+                row.id,
+                row.msg_id,
+                delay,
+                err,
+            )
+
+    async def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_depth:
+            self._next_depth = now + _DEPTH_EVERY
+            depth = await asyncio.to_thread(self.store.outbox_depth)
+            self.metrics.outbox_depth.set(depth)
+        if now >= self._next_cleanup:
+            self._next_cleanup = now + self.cleanup_every
+            cutoff = datetime.now(UTC) - timedelta(seconds=self.retention)
+            removed = await asyncio.to_thread(self.store.outbox_cleanup, cutoff)
+            if removed:
+                log.info(
+                    "outbox relay %s removed %d sent row(s) past retention", self.relay_id, removed
+                )
+
+    async def depth(self) -> int:
+        """Rows still to publish (also sets the ``outbox_depth`` gauge)."""
+        value = await asyncio.to_thread(self.store.outbox_depth)
+        self.metrics.outbox_depth.set(value)
+        return value
