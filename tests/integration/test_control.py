@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -15,12 +14,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from control_support import MESHFORGE, NodeProcess, dead_letter, reply_count, runs, stored_count
+from control_support import NodeProcess, dead_letter, reply_count, runs, stored_count
 from nats.js.errors import NotFoundError
+from typer.testing import CliRunner, Result
 
+from meshforge.cli import app
 from meshforge.config import load_settings
 from meshforge.connection import Connection, connect
 from meshforge.control import ControlClient, Reply, node_durable
+from meshforge.errors import ConfigError
 from meshforge.subjects import STREAM_CONTROL, control_command_subject, control_reply_subject
 from meshforge.topology import default_streams, ensure
 
@@ -63,10 +65,13 @@ def start_node(nats_url: str, tmp_path: Path, run_log: Path, site: str) -> Itera
     store_url = f"sqlite:///{tmp_path / 'node.db'}"
 
     def start(
-        node: str = "n1", env: dict[str, str] | None = None, label: str | None = None
+        node: str = "n1",
+        env: dict[str, str] | None = None,
+        label: str | None = None,
+        store: str | None = None,
     ) -> NodeProcess:
         proc = NodeProcess(
-            site, node, nats_url=nats_url, store_url=store_url, run_log=run_log,
+            site, node, nats_url=nats_url, store_url=store or store_url, run_log=run_log,
             log_dir=tmp_path, env=env, label=label or f"{node}-{len(started)}",
         )  # fmt: skip
         started.append(proc.start())
@@ -190,10 +195,19 @@ async def test_node_killed_before_its_ack_does_not_run_the_command_twice(
     assert await reply_count(conn.js, control_reply_subject(site, "n1")) == 1
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 async def test_two_instances_of_a_node_run_each_command_once(
-    ctl: ControlClient, conn: Connection, site: str, run_log: Path, start_node: NodeFactory
+    ctl: ControlClient,
+    conn: Connection,
+    site: str,
+    run_log: Path,
+    start_node: NodeFactory,
+    backend: str,
+    request: pytest.FixtureRequest,
 ) -> None:
-    a, b = start_node(label="a"), start_node(label="b")
+    # The instances share one store: SQLite on one machine, PostgreSQL across machines.
+    store = request.getfixturevalue("pg_database") if backend == "postgres" else None
+    a, b = start_node(label="a", store=store), start_node(label="b", store=store)
     # Both instances are pulling: two pull requests wait on the one durable consumer.
     end = time.monotonic() + REPLY_TIMEOUT
     while not await _waiting_pulls(conn, site, at_least=2):
@@ -258,57 +272,42 @@ async def test_repeated_id_gets_the_stored_reply_and_failing_command_gives_up(
     assert [r[1] for r in runs(run_log)].count("fail") == 2
 
 
-async def test_ctl_commands_send_wait_and_status(
+def test_ctl_commands_send_wait_reply_and_status(
     nats_url: str, site: str, start_node: NodeFactory
 ) -> None:
     start_node()
-    sent = _cli(
-        "ctl", "send", site, "n1", "echo", '{"ping": 1}', "--wait", "20", "--nats-url", nats_url
-    )
-    assert sent.returncode == 0, sent.stderr
+    url = ["--nats-url", nats_url]
+    sent = _cli("ctl", "send", site, "n1", "echo", '{"ping": 1}', "--wait", "20", *url)
+    assert sent.exit_code == 0, sent.output
     reply = json.loads(sent.stdout)
     assert (reply["status"], reply["result"], reply["node_epoch"]) == ("ok", {"ping": 1}, 1)
 
-    rejected = _cli(
-        "ctl",
-        "send",
-        site,
-        "n1",
-        "echo",
-        "--expect-epoch",
-        "9",
-        "--wait",
-        "20",
-        "--nats-url",
-        nats_url,
-    )
-    assert rejected.returncode == 1 and json.loads(rejected.stdout)["status"] == "rejected"
+    answered = _cli("ctl", "reply", site, "n1", reply["command_id"], *url)
+    assert answered.exit_code == 0 and json.loads(answered.stdout) == reply
+    unknown = _cli("ctl", "reply", site, "n1", "no-such-command", *url)
+    assert unknown.exit_code == 2 and "no reply" in unknown.stderr
 
-    queued = _cli(
-        "ctl",
-        "send",
-        site,
-        "n1",
-        "sleep",
-        '{"seconds": 0}',
-        "--not-before",
-        "1h",
-        "--nats-url",
-        nats_url,
-    )
-    assert queued.returncode == 0 and "queued sleep as" in queued.stdout
+    rejected = _cli("ctl", "send", site, "n1", "echo", "--expect-epoch", "9", "--wait", "20", *url)
+    assert rejected.exit_code == 1 and json.loads(rejected.stdout)["status"] == "rejected"
 
-    status = _cli("ctl", "status", site, "n1", "--json", "--nats-url", nats_url)
-    assert status.returncode == 0, status.stderr
+    later = ["--not-before", "1h"]
+    queued = _cli("ctl", "send", site, "n1", "sleep", '{"seconds": 0}', *later, *url)
+    assert queued.exit_code == 0 and "queued sleep as" in queued.stdout
+
+    status = _cli("ctl", "status", site, "n1", "--json", *url)
+    assert status.exit_code == 0, status.output
     report = json.loads(status.stdout)
     assert (report["epoch"], report["alive"], report["mailbox_depth"]) == (1, True, 1)
 
-    bad = _cli("ctl", "send", site, "n1", "echo", "[1]", "--nats-url", nats_url)
-    assert bad.returncode != 0 and "JSON object" in bad.stderr
+    bad = _cli("ctl", "send", site, "n1", "echo", "[1]", *url)
+    assert bad.exit_code != 0 and "JSON object" in bad.output
+    bad_time = _cli("ctl", "send", site, "n1", "echo", "--deadline", "tomorrow", *url)
+    assert isinstance(bad_time.exception, ConfigError) and "--deadline" in str(bad_time.exception)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(MESHFORGE), *args], capture_output=True, text=True, timeout=60)
+def _cli(*args: str) -> Result:
+    # In-process: the node is the real subprocess; the operator's commands need no second one.
+    return CliRunner().invoke(app, list(args))
 
 
 async def _pause() -> None:

@@ -12,6 +12,7 @@ from meshforge.cli.common import NatsUrl, nats_target
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
+    from meshforge.control.reply import Reply
 
 ctl_app = typer.Typer(
     name="ctl",
@@ -126,6 +127,45 @@ async def _send(
             return 0
         typer.echo(json.dumps(reply.to_dict(), indent=2, default=str))
         return 0 if reply.ok else 1
+
+
+@ctl_app.command("reply")
+def reply(
+    site: Annotated[str, typer.Argument(metavar="SITE", help="The node's site.")],
+    name: Annotated[str, typer.Argument(metavar="NODE", help="The node's name.")],
+    command_id: Annotated[
+        str, typer.Argument(metavar="COMMAND_ID", help="The id ctl send printed.")
+    ],
+    wait: Annotated[
+        float, typer.Option("--wait", min=0, help="Seconds to wait for a reply not there yet.")
+    ] = 0,
+    nats_url: NatsUrl = None,
+) -> None:
+    """Print the node's reply to an earlier command (exit 1 if it is not ok, 2 if none yet)."""
+    from meshforge.config import load_settings
+
+    settings = load_settings({"nats_url": nats_url})
+    with nats_target(settings.nats_url) as url:
+        found = asyncio.run(_reply(url, settings, site, name, command_id, wait))
+    if found is None:
+        typer.echo(f"no reply to {command_id} from {site}.{name} yet", err=True)
+        raise typer.Exit(2)
+    typer.echo(json.dumps(found.to_dict(), indent=2, default=str))
+    raise typer.Exit(0 if found.ok else 1)
+
+
+async def _reply(
+    url: str, settings: Settings, site: str, name: str, command_id: str, wait: float
+) -> Reply | None:
+    from meshforge.connection import connect
+    from meshforge.control.client import ControlClient
+
+    async with await connect(settings, url=url, name="meshforge-ctl") as conn:
+        # At least a moment, so the replies already stored are read through.
+        timeout = max(wait, 2.0)
+        return await ControlClient(conn, settings=settings).wait_reply(
+            site, name, command_id, timeout
+        )
 
 
 @ctl_app.command("status")

@@ -43,6 +43,20 @@ TimeSpec = datetime | str | float | int | None
 
 # Replies are searched from a little before the send, so clock skew cannot hide one.
 _LOOKBACK = timedelta(seconds=5)
+# Reading the stored replies: the longest pause between two of them before giving up.
+_SCAN_IDLE = 5.0
+
+
+def _match(data: bytes, headers: dict[str, str], command_id: str) -> Reply | None:
+    if headers.get(H_CAUSATION) not in (None, command_id):
+        return None
+    try:
+        env = decode(data, headers)
+        if env.type == REPLY_TYPE and env.causation_id == command_id:
+            return Reply.from_envelope(env)
+    except MalformedMessage:
+        return None
+    return None
 
 
 def node_durable(site: str, node: str) -> str:
@@ -193,8 +207,20 @@ class ControlClient:
         Reads MESHFORGE_REPLIES with an ephemeral (ordered) consumer filtered to the node's
         reply subject, from just before the send when this client sent it, else from the start.
         """
+        return await self._scan(site, node, command_id, timeout, stored_only=False)
+
+    async def find_reply(self, site: str, node: str, command_id: str) -> Reply | None:
+        """The reply to ``command_id`` if the node already sent it (no waiting)."""
         subject = control_reply_subject(site, node)
-        sent = self._sent_at.get(command_id)
+        if not await self._stored(STREAM_REPLIES, subject):
+            return None
+        return await self._scan(site, node, command_id, _SCAN_IDLE, stored_only=True)
+
+    async def _scan(
+        self, site: str, node: str, command_id: str, seconds: float, *, stored_only: bool
+    ) -> Reply | None:
+        subject = control_reply_subject(site, node)
+        sent = None if stored_only else self._sent_at.get(command_id)
         config = (
             ConsumerConfig(
                 deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=sent - _LOOKBACK
@@ -205,25 +231,18 @@ class ControlClient:
         sub = await self.conn.js.subscribe(
             subject, stream=STREAM_REPLIES, ordered_consumer=True, config=config
         )
-        end = time.monotonic() + timeout
+        end = time.monotonic() + seconds
         try:
             while (left := end - time.monotonic()) > 0:
                 try:
                     msg = await sub.next_msg(timeout=left)
                 except (TimeoutError, NatsTimeoutError):
                     return None
-                headers = dict(msg.headers or {})
-                if headers.get(H_CAUSATION) not in (None, command_id):
-                    continue
-                try:
-                    env = decode(msg.data, headers)
-                except MalformedMessage:
-                    continue
-                if env.type == REPLY_TYPE and env.causation_id == command_id:
-                    try:
-                        return Reply.from_envelope(env)
-                    except MalformedMessage:
-                        continue
+                found = _match(msg.data, dict(msg.headers or {}), command_id)
+                if found is not None:
+                    return found
+                if stored_only and msg.metadata.num_pending == 0:
+                    return None  # read every stored reply: it is not there
             return None
         finally:
             await sub.unsubscribe()
@@ -253,14 +272,14 @@ class ControlClient:
         try:
             info = await self.conn.js.consumer_info(STREAM_CONTROL, durable)
         except NotFoundError:
-            depth = await self._stored(control_command_subject(site, node))
+            depth = await self._stored(STREAM_CONTROL, control_command_subject(site, node))
             return NodeStatus(site, node, announcement, depth, consumer_exists=False)
         depth = (info.num_pending or 0) + (info.num_ack_pending or 0)
         return NodeStatus(site, node, announcement, depth, consumer_exists=True)
 
-    async def _stored(self, subject: str) -> int:
+    async def _stored(self, stream: str, subject: str) -> int:
         try:
-            info = await self.conn.js.stream_info(STREAM_CONTROL, subjects_filter=subject)
+            info = await self.conn.js.stream_info(stream, subjects_filter=subject)
         except NotFoundError:
             return 0
         return int((info.state.subjects or {}).get(subject, 0))
