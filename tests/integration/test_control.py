@@ -95,7 +95,7 @@ async def test_command_sent_while_node_is_down_runs_when_it_starts(
     before = await ctl.status(site, "n1")
     assert (before.epoch, before.mailbox_depth, before.consumer_exists) == (None, 1, False)
 
-    start_node()
+    node = start_node()
     reply = await _reply(ctl, site, command_id)
     assert (reply.status, reply.result, reply.error, reply.node_epoch) == (
         "ok",
@@ -110,6 +110,11 @@ async def test_command_sent_while_node_is_down_runs_when_it_starts(
     assert after.epoch == 1 and after.alive and after.consumer_exists
     assert after.mailbox_depth == 0
     assert await reply_count(conn.js, control_reply_subject(site, "n1")) == 1
+
+    node.stop()  # graceful: its last announcement says so
+    gone = await ctl.status(site, "n1")
+    assert gone.announcement is not None and gone.announcement.state == "stopped"
+    assert not gone.alive and gone.epoch == 1
 
 
 async def test_scheduled_command_runs_at_its_time_not_before(

@@ -188,7 +188,13 @@ def status(
     if seen is None:
         seen_text = "never (the node has not announced itself)"
     else:
-        state = "alive" if report["alive"] else "not heard from lately"
+        state = (
+            "stopped"
+            if report["state"] == "stopped"
+            else "alive"
+            if report["alive"]
+            else "not heard from lately"
+        )
         seen_text = f"{seen} ({report['seconds_since_seen']:.1f}s ago, {state})"
     lines = [
         ("node", f"{site}.{name}"),

@@ -133,6 +133,7 @@ class NodeStatus:
             "started_at": note.started_at if note else None,
             "last_seen": self.last_seen,
             "seconds_since_seen": round(note.age(), 3) if note else None,
+            "state": note.state if note else None,
             "alive": self.alive,
             "mailbox_depth": self.mailbox_depth,
         }
@@ -192,7 +193,10 @@ class ControlClient:
             fields["id"] = command_id
         env = Envelope.new(command, payload or {}, **fields)
         self._sent_at[env.id] = now
-        await self.publisher.publish(subject, env)
+        result = await self.publisher.publish(subject, env)
+        if result.duplicate:
+            # The server already holds this id: its reply may be older than this send.
+            del self._sent_at[env.id]
         return env.id
 
     async def wait_reply(

@@ -75,6 +75,7 @@ class Announcement:
     interval: float
     instance: str
     host: str
+    state: str = "up"
 
     def age(self, now: datetime | None = None) -> float:
         """Seconds since ``last_seen``."""
@@ -82,8 +83,8 @@ class Announcement:
         return (now - _parse_ts(self.last_seen)).total_seconds()
 
     def alive(self, now: datetime | None = None) -> bool:
-        """Heard from within the last few announcement intervals."""
-        return self.age(now) <= STALE_INTERVALS * self.interval
+        """Up, and heard from within the last few announcement intervals."""
+        return self.state == "up" and self.age(now) <= STALE_INTERVALS * self.interval
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -103,6 +104,7 @@ class Announcement:
                 interval=float(obj.get("interval", 10.0)),
                 instance=str(obj.get("instance", "")),
                 host=str(obj.get("host", "")),
+                state=str(obj.get("state", "up")),
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -171,8 +173,11 @@ class Presence:
         self._kv: KeyValue | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def announce(self, epoch: int, *, started_at: str | None = None) -> Announcement | None:
-        """Write the announcement now; returns it, or None if it could not be written."""
+    async def announce(
+        self, epoch: int, *, started_at: str | None = None, state: str = "up"
+    ) -> Announcement | None:
+        """Write the announcement now; returns it, or None if it could not be written.
+        ``state`` is ``up``, or ``stopped`` for the last word of a node shutting down."""
         if started_at is not None:
             self.started_at = started_at
         note = Announcement(
@@ -185,6 +190,7 @@ class Presence:
             interval=self.interval,
             instance=self.instance,
             host=self.host,
+            state=state,
         )
         try:
             if self._kv is None:
@@ -209,10 +215,12 @@ class Presence:
             await asyncio.sleep(self.interval)  # the announcement period itself
             await self.announce(epoch())
 
-    async def stop(self) -> None:
-        """Stop announcing (the last announcement stays; its age tells it is stale)."""
+    async def stop(self, epoch: int | None = None) -> None:
+        """Stop announcing; with ``epoch``, announce a last time that the node stopped."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if epoch is not None and self.last is not None:
+            await self.announce(epoch, state="stopped")

@@ -144,7 +144,9 @@ class NodeRuntime:
             waiter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await waiter
-            await self.presence.stop()
+            # HA: another instance of this node may still be up; it re-announces within
+            # one interval, so a "stopped" written here is corrected quickly.
+            await self.presence.stop(self.epoch)
             await self.node.on_stop()
             log.info("node %s.%s stopped", self.site, self.name)
 
