@@ -119,12 +119,18 @@ def classify(exc: BaseException, subject: str, js: JetStreamContext | None = Non
     if isinstance(exc, nats.errors.TimeoutError | asyncio.TimeoutError | TimeoutError):
         denied = _permission_denied(js, subject) if js is not None else None
         if denied:
-            return PublishError(f"publish to {subject!r} refused: {denied}", kind="permission_denied")
-        return PublishError(f"publish to {subject!r}: no PubAck in time", kind="timeout", retriable=True)
+            return PublishError(
+                f"publish to {subject!r} refused: {denied}", kind="permission_denied"
+            )
+        return PublishError(
+            f"publish to {subject!r}: no PubAck in time", kind="timeout", retriable=True
+        )
     if isinstance(exc, nats.errors.BadSubjectError):
         return PublishError(f"invalid subject {subject!r}: {detail}", kind="invalid_subject")
     if isinstance(exc, nats.errors.BadHeaderError):
-        return PublishError(f"publish to {subject!r}: invalid header: {detail}", kind="invalid_header")
+        return PublishError(
+            f"publish to {subject!r}: invalid header: {detail}", kind="invalid_header"
+        )
     if isinstance(exc, nats.js.errors.APIError):
         return _classify_api(exc, subject)
     if isinstance(exc, nats.errors.Error):
@@ -200,7 +206,9 @@ class Publisher:
         while True:
             attempt += 1
             try:
-                ack = await self.js.publish(item.subject, item.data, timeout=timeout, headers=dict(item.headers))
+                ack = await self.js.publish(
+                    item.subject, item.data, timeout=timeout, headers=dict(item.headers)
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # every nats-py failure is classified below
@@ -308,7 +316,9 @@ class Publisher:
             for item in items:
                 await slots.acquire()
                 try:
-                    fut = await self.js.publish_async(item.subject, item.data, headers=dict(item.headers))
+                    fut = await self.js.publish_async(
+                        item.subject, item.data, headers=dict(item.headers)
+                    )
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # refused before sending (size, connection state)
@@ -382,11 +392,14 @@ class Publisher:
 
     def _delay(self, attempt: int) -> float:
         s = self.settings
-        return random.uniform(0, min(s.publish_backoff_cap, s.publish_backoff_base * 2 ** (attempt - 1)))
+        return random.uniform(
+            0, min(s.publish_backoff_cap, s.publish_backoff_base * 2 ** (attempt - 1))
+        )
 
     def _failed(self, err: PublishError, attempts: int) -> None:
         self.metrics.publish_failures.labels(kind=err.kind).inc()
-        log.warning("publish failed after %d attempt(s): %s", attempts, err)
+        # The caller gets the error and decides; the log only keeps the trail.
+        log.info("publish failed after %d attempt(s): %s", attempts, err)
 
     def _succeeded(self, ack: PubAck, msg_id: str | None) -> PublishResult:
         duplicate = bool(ack.duplicate)

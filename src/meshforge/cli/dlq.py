@@ -85,26 +85,22 @@ def ls(
     if not found:
         console.print("no dead letters")
         return
-    table = Table(title=f"dead letters ({len(found)} of {total})")
-    for name in (
-        "ID",
-        "Original subject",
-        "Reason",
-        "Error",
-        "Deliveries",
-        "Consumer",
-        "Dead-lettered",
-    ):
-        table.add_column(name, overflow="fold", no_wrap=name == "ID")
+    table = Table(title=f"dead letters ({len(found)} of {total}); `dlq show ID` for the rest")
+    # Only the error wraps; the rest stay whole on one line when the terminal allows.
+    table.add_column("ID", no_wrap=True)
+    table.add_column("Original subject", no_wrap=True, overflow="fold")
+    table.add_column("Reason", no_wrap=True)
+    table.add_column("Del.", no_wrap=True, justify="right")
+    table.add_column("Error", overflow="fold", ratio=1, min_width=24)
+    table.add_column("Dead-lettered (UTC)", no_wrap=True)
     for letter in found:
         table.add_row(
             str(letter.seq),
             letter.original_subject,
             letter.reason,
-            _short(letter.error, 120),
             "" if letter.deliveries is None else str(letter.deliveries),
-            letter.consumer,
-            letter.timestamp,
+            _short(letter.error, 100),
+            letter.timestamp[:19].replace("T", " "),
         )
     console.print(table)
 
