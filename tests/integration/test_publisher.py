@@ -87,7 +87,9 @@ async def test_bytes_get_headers_and_an_id(streams: JetStreamContext, own_subjec
 @pytest.mark.parametrize(
     "subject", ["evt.default.demo.*.created", "evt.default..order", "evt.a b", "evt.default.>", ""]
 )
-async def test_invalid_subject_is_refused_before_sending(streams: JetStreamContext, subject: str) -> None:
+async def test_invalid_subject_is_refused_before_sending(
+    streams: JetStreamContext, subject: str
+) -> None:
     metrics = Metrics()
     pub = Publisher(streams, settings(), metrics)
     with pytest.raises(PublishError) as info:
@@ -114,7 +116,9 @@ async def test_no_stream_fails_after_a_few_quick_attempts(streams: JetStreamCont
     assert elapsed < 2.0
 
 
-async def test_payload_over_max_payload_fails_at_once(streams: JetStreamContext, own_subject: str) -> None:
+async def test_payload_over_max_payload_fails_at_once(
+    streams: JetStreamContext, own_subject: str
+) -> None:
     metrics = Metrics()
     pub = Publisher(streams, settings(), metrics)
     with pytest.raises(PublishError) as info:
@@ -138,7 +142,13 @@ async def test_server_side_refusals_are_permanent(js: JetStreamContext) -> None:
         with pytest.raises(PublishError) as seq:
             await pub.publish(subject, b"x", headers={"Nats-Expected-Last-Sequence": "41"})
         assert seq.value.kind == "wrong_last_seq"
-        assert sum(count(metrics.publish_retries, kind=k) for k in ("payload_too_large", "wrong_last_seq")) == 0
+        assert (
+            sum(
+                count(metrics.publish_retries, kind=k)
+                for k in ("payload_too_large", "wrong_last_seq")
+            )
+            == 0
+        )
     finally:
         await js.delete_stream(name)
 
@@ -167,7 +177,9 @@ async def test_permission_denied_is_not_retried(tmp_path: Path) -> None:
 
 
 async def test_retries_through_a_server_kill_and_restart(private_server: EmbeddedServer) -> None:
-    s = settings(publish_timeout=1.0, publish_attempts=30, publish_backoff_base=0.05, publish_backoff_cap=0.5)
+    s = settings(
+        publish_timeout=1.0, publish_attempts=30, publish_backoff_base=0.05, publish_backoff_cap=0.5
+    )
     total = 200
     async with await connect(s, url=private_server.url) as conn:
         await ensure(conn.js, default_streams(s), [])
@@ -192,15 +204,22 @@ async def test_retries_through_a_server_kill_and_restart(private_server: Embedde
 
         assert [r.msg_id for r in results] == [e.id for e in envs]
         assert len({r.seq for r in results}) == total
-        retried = sum(count(metrics.publish_retries, kind=k) for k in ("timeout", "connection", "no_stream", "unavailable"))
+        retried = sum(
+            count(metrics.publish_retries, kind=k)
+            for k in ("timeout", "connection", "no_stream", "unavailable")
+        )
         assert retried > 0, "the kill did not interrupt any publish"
         assert await subject_count(conn.js, STREAM_EVENTS, subject) == total
 
 
-async def test_publish_many_ten_thousand_bounded(streams: JetStreamContext, own_subject: str) -> None:
+async def test_publish_many_ten_thousand_bounded(
+    streams: JetStreamContext, own_subject: str
+) -> None:
     metrics = Metrics()
     pub = Publisher(streams, settings(), metrics)
-    items = [Outbound.of(own_subject, Envelope.new("order.created", {"n": i})) for i in range(10_000)]
+    items = [
+        Outbound.of(own_subject, Envelope.new("order.created", {"n": i})) for i in range(10_000)
+    ]
     peak = 0
     done = asyncio.Event()
 
@@ -232,7 +251,9 @@ async def test_publish_many_ten_thousand_bounded(streams: JetStreamContext, own_
     assert [r.seq for r in again] == seqs[:100]
 
 
-async def test_publish_many_reports_the_first_failure(streams: JetStreamContext, own_subject: str) -> None:
+async def test_publish_many_reports_the_first_failure(
+    streams: JetStreamContext, own_subject: str
+) -> None:
     pub = Publisher(streams, settings(), Metrics())
     items = [
         Outbound(own_subject, b"{}", {}, "m-0"),
@@ -245,7 +266,12 @@ async def test_publish_many_reports_the_first_failure(streams: JetStreamContext,
     assert str(info.value).startswith("message 1 of 4 (msg id 'm-1') failed (2 failed in all)")
     assert info.value.kind == "payload_too_large"
     outcomes = await pub.publish_each(items)
-    assert [type(o).__name__ for o in outcomes] == ["PublishResult", "PublishError", "PublishError", "PublishResult"]
+    assert [type(o).__name__ for o in outcomes] == [
+        "PublishResult",
+        "PublishError",
+        "PublishError",
+        "PublishResult",
+    ]
     assert await subject_count(streams, STREAM_EVENTS, own_subject) == 2
 
 
@@ -274,12 +300,16 @@ def test_cli_publish_payload_and_envelope(nats_url: str) -> None:
     assert body["source"] == "cli"
     assert stored[1][H_MSG_ID] == fields["id"] == body["id"]
 
-    whole = json.dumps({"id": "fixed-1", "type": "order.create", "payload": {"sku": "B"}, "extra_field": 1})
+    whole = json.dumps(
+        {"id": "fixed-1", "type": "order.create", "payload": {"sku": "B"}, "extra_field": 1}
+    )
     first = runner.invoke(app, ["publish", subject, whole, "--nats-url", nats_url])
     second = runner.invoke(app, ["publish", subject, whole, "--nats-url", nats_url])
     assert "id=fixed-1" in first.stdout and "duplicate=false" in first.stdout
     assert "duplicate=true" in second.stdout
-    stored = asyncio.run(_get(nats_url, STREAM_COMMANDS, int(first.stdout.split("seq=")[1].split()[0])))
+    stored = asyncio.run(
+        _get(nats_url, STREAM_COMMANDS, int(first.stdout.split("seq=")[1].split()[0]))
+    )
     assert json.loads(stored[0])["extra_field"] == 1
 
 

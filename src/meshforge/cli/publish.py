@@ -64,7 +64,9 @@ def build_envelope(subject: str, text: str, *, key: str | None, source: str) -> 
     except json.JSONDecodeError as exc:
         raise MalformedMessage(f"JSON argument is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise MalformedMessage(f"JSON argument must be an object, got a JSON {type(value).__name__}")
+        raise MalformedMessage(
+            f"JSON argument must be an object, got a JSON {type(value).__name__}"
+        )
     tokens = subject.split(".")
     tenant = tokens[1] if tokens[0] in ("cmd", "evt") and len(tokens) >= 5 else None
     if "type" in value and "payload" in value:
