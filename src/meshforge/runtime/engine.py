@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -237,11 +236,11 @@ class Engine(Generic[S]):
                 plan.done.append(work)
                 plan.duplicates += 1
                 continue
-            started = time.perf_counter()
             try:
-                outputs: list[Output] = await asyncio.wait_for(
-                    agent.handle(work.spec, work.env, states[work.resource]), self.handler_timeout
-                )
+                async with asyncio.timeout(self.handler_timeout):
+                    outputs: list[Output] = await agent.handle(
+                        work.spec, work.env, states[work.resource]
+                    )
                 new_state, work.outputs, work.events = build_outputs(
                     agent, work.env, work.resource, d.subject, outputs, states[work.resource]
                 )
@@ -253,10 +252,6 @@ class Engine(Generic[S]):
                 if decision.action is Action.NAK:
                     blocked[work.resource] = decision.delay
                 continue
-            finally:
-                self.metrics.handler_seconds.labels(consumer=self.consumer).observe(
-                    time.perf_counter() - started
-                )
             states[work.resource] = new_state
             work.fresh = True
             stored[work.env.key] = work.outputs  # a duplicate later in the batch re-publishes

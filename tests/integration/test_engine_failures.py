@@ -1,0 +1,193 @@
+"""Bad input and failing handlers: dead letters with the right reason, naks, timeouts, store errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import msgspec
+from test_engine_support import (
+    Account,
+    consumer_idle,
+    dead_letters_of,
+    events_of,
+    ledger_agent,
+    open_conn,
+    open_store_async,
+    running,
+    send,
+    send_many,
+    settings_for,
+    wait_until,
+)
+
+from meshforge.envelope import Envelope
+from meshforge.errors import StoreError
+from meshforge.store import Store, Transaction
+
+
+def reasons(letters: list[Any]) -> dict[str, tuple[str, str]]:
+    """Dead letters by original message id: (reason, error)."""
+    out = {}
+    for m in letters:
+        env = m.envelope()
+        out[env.id] = (m.headers.get("Dlq-Reason", ""), m.headers.get("Dlq-Error", ""))
+    return out
+
+
+async def test_bad_commands_are_dead_lettered_and_the_worker_goes_on(nats_url: str, sqlite_url: str) -> None:
+    agent = ledger_agent()
+    settings = settings_for(nats_url, sqlite_url)
+    conn = await open_conn(settings)
+    store = await open_store_async(sqlite_url)
+    try:
+        async with running([agent], settings, store=store):
+            unknown = await send(conn, agent.name, "explode", {"account": "a"})
+            invalid = await send(conn, agent.name, "credit", {"account": "a", "amount": -1, "mode": "invalid"})
+            missing = await send(conn, agent.name, "credit", {"account": "a", "amount": 1, "mode": "missing"})
+            no_key = await send(conn, agent.name, "credit", {"amount": 1})
+            wrong_type = await send(conn, agent.name, "credit", {"account": "a", "amount": "lots"})
+            good = await send(conn, agent.name, "credit", {"account": "a", "amount": 2})
+            await wait_until(lambda: consumer_idle(conn, agent.name))
+            letters = reasons(await dead_letters_of(conn, agent.name))
+        assert letters[unknown.id][0] == "unrecoverable" and "unknown command" in letters[unknown.id][1]
+        assert letters[invalid.id] == ("unrecoverable", "ValueError: amount must be positive, got -1")
+        assert letters[missing.id][0] == "unrecoverable" and "KeyError" in letters[missing.id][1]
+        assert letters[no_key.id][0] == "unrecoverable" and "lacks 'account'" in letters[no_key.id][1]
+        assert letters[wrong_type.id][0] == "unrecoverable" and "ValueError" in letters[wrong_type.id][1]
+        assert good.id not in letters and len(letters) == 5
+        events = [m.envelope() for m in await events_of(conn, agent.name)]
+        assert [e.causation_id for e in events if e] == [good.id]
+        with store.transaction() as tx:
+            state = msgspec.json.decode(tx.state_get(agent.name, "a") or b"", type=Account)
+        assert state == Account(balance=2, history=[2])  # the failed handlers' in-place edits undone
+    finally:
+        store.close()
+        await conn.close()
+
+
+async def test_transient_failure_naks_it_and_later_same_resource_commands(nats_url: str, sqlite_url: str) -> None:
+    agent = ledger_agent()
+    settings = settings_for(nats_url, sqlite_url, batch_size=16)
+    conn = await open_conn(settings)
+    try:
+        subject = f"cmd.default.test.{agent.name}.credit"
+        flaky = Envelope.new(f"{agent.name}.credit", {"account": "a", "amount": 1, "mode": "flaky", "times": 2})
+        after = [Envelope.new(f"{agent.name}.credit", {"account": "a", "amount": 10 + i}) for i in range(3)]
+        other = Envelope.new(f"{agent.name}.credit", {"account": "b", "amount": 7})
+        await send_many(conn, [(subject, e) for e in (flaky, *after, other)])
+        async with running([agent], settings):
+            await wait_until(lambda: consumer_idle(conn, agent.name), within=30)
+        events = [m.envelope() for m in await events_of(conn, agent.name)]
+        by_account: dict[str, list[int]] = {}
+        for e in events:
+            assert e is not None
+            by_account.setdefault(e.payload["account"], []).append(e.payload["amount"])
+        assert by_account["a"] == [1, 10, 11, 12]  # still in stream order after two naks
+        assert by_account["b"] == [7]
+        seen_a = [balance for cmd_id, balance in agent.calls if cmd_id in {e.id for e in after}]  # type: ignore[attr-defined]
+        assert seen_a[-3:] == [1, 11, 22]
+        assert not await dead_letters_of(conn, agent.name)
+    finally:
+        await conn.close()
+
+
+async def test_persistent_bug_ends_as_max_deliveries(nats_url: str, sqlite_url: str) -> None:
+    agent = ledger_agent()
+    settings = settings_for(nats_url, sqlite_url, max_deliver=3)
+    conn = await open_conn(settings)
+    try:
+        async with running([agent], settings):
+            bug = await send(conn, agent.name, "credit", {"account": "a", "amount": 1, "mode": "bug"})
+            await wait_until(lambda: consumer_idle(conn, agent.name), within=30)
+            letters = reasons(await dead_letters_of(conn, agent.name))
+        assert letters[bug.id][0] == "max_deliveries"
+        assert "ZeroDivisionError" in letters[bug.id][1]
+        assert sum(1 for cmd_id, _ in agent.calls if cmd_id == bug.id) == 3  # type: ignore[attr-defined]
+    finally:
+        await conn.close()
+
+
+async def test_handler_timeout_is_transient(nats_url: str, sqlite_url: str) -> None:
+    agent = ledger_agent()
+    settings = settings_for(nats_url, sqlite_url, max_deliver=2)
+    conn = await open_conn(settings)
+    try:
+        async with running([agent], settings) as worker:
+            for engine in worker._engines:
+                engine.handler_timeout = 0.2
+            slow = await send(conn, agent.name, "credit", {"account": "a", "amount": 1, "mode": "slow", "seconds": 5})
+            fast = await send(conn, agent.name, "credit", {"account": "b", "amount": 1, "mode": "slow", "seconds": 0.01})
+            await wait_until(lambda: consumer_idle(conn, agent.name), within=30)
+            letters = reasons(await dead_letters_of(conn, agent.name))
+        assert letters[slow.id][0] == "max_deliveries" and "timed out" in letters[slow.id][1]
+        assert fast.id not in letters
+        assert sum(1 for cmd_id, _ in agent.calls if cmd_id == slow.id) == 2  # type: ignore[attr-defined]
+    finally:
+        await conn.close()
+
+
+async def test_retry_with_delay_runs_again(nats_url: str, sqlite_url: str) -> None:
+    agent = ledger_agent()
+    settings = settings_for(nats_url, sqlite_url)
+    conn = await open_conn(settings)
+    try:
+        async with running([agent], settings):
+            cmd = await send(conn, agent.name, "credit", {"account": "a", "amount": 4, "mode": "retry"})
+            await wait_until(lambda: consumer_idle(conn, agent.name), within=30)
+        events = [m.envelope() for m in await events_of(conn, agent.name)]
+        assert [e.causation_id for e in events if e] == [cmd.id]
+        assert sum(1 for cmd_id, _ in agent.calls if cmd_id == cmd.id) == 2  # type: ignore[attr-defined]
+    finally:
+        await conn.close()
+
+
+class FlakyStore:
+    """The real store, whose next ``fail`` commits raise a retriable (or given) StoreError."""
+
+    def __init__(self, store: Store, fail: int, error: StoreError) -> None:
+        self._store = store
+        self.fail = fail
+        self.error = error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def transaction(self) -> AbstractContextManager[Transaction]:
+        @contextmanager
+        def tx() -> Iterator[Transaction]:
+            with self._store.transaction() as inner:
+                yield inner
+                if self.fail > 0:  # fails as a commit would: everything rolls back
+                    self.fail -= 1
+                    raise self.error
+
+        return tx()
+
+
+async def test_store_errors_nak_the_batch_and_nothing_is_half_done(nats_url: str, sqlite_url: str) -> None:
+    for error, times in (
+        (StoreError("could not serialize access", kind="conflict", retriable=True), 6),
+        (StoreError("disk I/O error", kind="error"), 2),
+    ):
+        agent = ledger_agent()
+        settings = settings_for(nats_url, sqlite_url)
+        conn = await open_conn(settings)
+        real = await open_store_async(sqlite_url)
+        flaky = FlakyStore(real, fail=times, error=error)
+        try:
+            async with running([agent], settings, store=flaky):  # type: ignore[arg-type]
+                cmds = [await send(conn, agent.name, "credit", {"account": "a", "amount": i}) for i in range(1, 4)]
+                await wait_until(lambda a=agent, c=conn: consumer_idle(c, a.name), within=30)  # type: ignore[misc]
+            assert flaky.fail == 0
+            events = [m.envelope() for m in await events_of(conn, agent.name)]
+            assert sorted(e.causation_id for e in events if e) == sorted(c.id for c in cmds)
+            assert len(list(real.events_read(agent.name))) == 3
+            with real.transaction() as tx:
+                state = msgspec.json.decode(tx.state_get(agent.name, "a") or b"", type=Account)
+            assert state.balance == 6
+            assert not await dead_letters_of(conn, agent.name)
+        finally:
+            real.close()
+            await conn.close()
