@@ -18,17 +18,16 @@ from faststream.nats import JStream, NatsBroker, PullSub
 from nats.js import JetStreamContext
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import BODY_SIZE, console, report, timed  # noqa: E402
+from _common import BODY_SIZE, console, report, timed
 
-from meshforge.config import load_settings  # noqa: E402
-from meshforge.connection import connect  # noqa: E402
-from meshforge.consumer import Consumer  # noqa: E402
-from meshforge.decisions import Decision, Delivery  # noqa: E402
-from meshforge.envelope import Envelope, Outbound  # noqa: E402
-from meshforge.observability import Metrics  # noqa: E402
-from meshforge.publisher import Publisher  # noqa: E402
-from meshforge.server import EmbeddedServer  # noqa: E402
-from meshforge.topology import ConsumerSpec  # noqa: E402
+from meshforge.config import load_settings
+from meshforge.connection import connect
+from meshforge.consumer import Consumer
+from meshforge.decisions import Decision, Delivery
+from meshforge.envelope import Envelope, Outbound
+from meshforge.observability import Metrics
+from meshforge.publisher import Publisher
+from meshforge.server import EmbeddedServer
 
 BATCH = 100
 VARIANTS = ("raw", "mf", "fs")

@@ -17,11 +17,11 @@ import nats
 from faststream.nats import NatsBroker
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import BODY_SIZE, console, report, timed  # noqa: E402
+from _common import BODY_SIZE, console, report, timed
 
-from meshforge.envelope import Envelope, Outbound  # noqa: E402
-from meshforge.publisher import Publisher  # noqa: E402
-from meshforge.server import EmbeddedServer  # noqa: E402
+from meshforge.envelope import Envelope, Outbound
+from meshforge.publisher import Publisher
+from meshforge.server import EmbeddedServer
 
 IN_FLIGHT = 256
 
