@@ -212,6 +212,42 @@ async def test_retries_through_a_server_kill_and_restart(private_server: Embedde
         assert await subject_count(conn.js, STREAM_EVENTS, subject) == total
 
 
+async def test_publish_many_through_a_server_kill_and_restart(
+    private_server: EmbeddedServer,
+) -> None:
+    s = settings(
+        publish_timeout=1.0, publish_attempts=30, publish_backoff_base=0.05, publish_backoff_cap=0.5
+    )
+    total = 6000
+    subject = "evt.default.demo.order.created"
+    async with (
+        await connect(s, url=private_server.url) as conn,
+        await connect(s, url=private_server.url) as watcher,
+    ):
+        await ensure(conn.js, default_streams(s), [])
+        metrics = Metrics()
+        pub = Publisher(conn.js, s, metrics)
+        items = [
+            Outbound.of(subject, Envelope.new("order.created", {"n": i})) for i in range(total)
+        ]
+        task = asyncio.create_task(pub.publish_many(items, max_in_flight=128))
+        deadline = time.monotonic() + 20
+        while await subject_count(watcher.js, STREAM_EVENTS, subject) < 300:
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.002)  # polling progress with a deadline
+        await asyncio.to_thread(private_server.kill)
+        await asyncio.to_thread(private_server.start)
+        results = await asyncio.wait_for(task, 90)
+
+        assert [r.msg_id for r in results] == [i.msg_id for i in items]
+        assert len({r.seq for r in results}) == total
+        assert sum(count(metrics.publish_retries, kind=k) for k in ("timeout", "connection")) > 0
+        deadline = time.monotonic() + 20
+        while (stored := await subject_count(conn.js, STREAM_EVENTS, subject)) != total:
+            assert stored < total and time.monotonic() < deadline, f"{stored} stored"
+            await asyncio.sleep(0.05)  # buffered copies may still be landing as duplicates
+
+
 async def test_publish_many_ten_thousand_bounded(
     streams: JetStreamContext, own_subject: str
 ) -> None:
