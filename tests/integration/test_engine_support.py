@@ -10,6 +10,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -19,7 +20,7 @@ from nats.aio.msg import Msg
 from meshforge.cli.demo_support import StreamMessage, read_stream
 from meshforge.config import Settings, load_settings
 from meshforge.connection import Connection, connect
-from meshforge.envelope import Envelope, Outbound
+from meshforge.envelope import Envelope, Outbound, decode
 from meshforge.errors import Retry
 from meshforge.observability import Metrics
 from meshforge.publisher import Publisher
@@ -183,3 +184,59 @@ async def open_conn(settings: Settings) -> Connection:
 
 async def open_store_async(url: str) -> Store:
     return await asyncio.to_thread(open_store, url)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """An event as it arrived: its subject and its envelope's fields."""
+
+    subject: str
+    env: Envelope
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+
+class EventWatchFor:
+    """Every event published on a subject, as sent; waits for the ones a test expects."""
+
+    def __init__(self) -> None:
+        self.seen: list[Seen] = []
+        self._changed = asyncio.Event()
+        self._sub: Any = None
+
+    @classmethod
+    async def start(cls, conn: Connection, subject: str) -> EventWatchFor:
+        watch = cls()
+
+        async def cb(msg: Msg) -> None:
+            watch.seen.append(Seen(msg.subject, decode(msg.data, dict(msg.headers or {}))))
+            watch._changed.set()
+
+        watch._sub = await conn.nc.subscribe(subject, cb=cb)
+        await conn.nc.flush()
+        return watch
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+
+    async def first(self, predicate: Callable[[Seen], bool], *, after: int = 0, within: float = 20.0) -> Seen:
+        deadline = time.monotonic() + within
+        index = after
+        while True:
+            while index < len(self.seen):
+                if predicate(self.seen[index]):
+                    return self.seen[index]
+                index += 1
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no matching event within {within}s; saw {[s.type for s in self.seen]}")
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(deadline - time.monotonic(), 0.01))
+
+    async def caused_by(self, cmd: Envelope, within: float = 20.0) -> Seen:
+        return await self.first(lambda s: s.causation_id == cmd.id, within=within)
+
+    async def caused_by_id(self, cmd_id: str, within: float = 20.0) -> Seen:
+        return await self.first(lambda s: s.causation_id == cmd_id, within=within)

@@ -1,0 +1,120 @@
+"""The demo agents exactly as CONTRACT.md describes them, and `meshforge run` / `meshforge replay`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from test_engine_support import EventWatchFor, open_conn, running, settings_for
+from typer.testing import CliRunner
+
+from meshforge.cli import app
+from meshforge.cli.demo_support import AgentProcess, meshforge_command
+from meshforge.demo import InventoryAgent, OrderAgent
+from meshforge.envelope import Envelope, derive_id
+from meshforge.publisher import Publisher
+from meshforge.runtime.agent import derive_uuid
+from meshforge.server import EmbeddedServer
+
+
+async def test_demo_agents_follow_the_contract(private_server: EmbeddedServer, sqlite_url: str) -> None:
+    settings = settings_for(private_server.url, sqlite_url)
+    conn = await open_conn(settings)
+    watch = await EventWatchFor.start(conn, "evt.>")
+    publisher = Publisher(conn.js)
+
+    async def ask(command: str, payload: dict[str, Any], **fields: Any) -> Envelope:
+        env = Envelope.new(command, payload, source="test", **fields)
+        await publisher.publish(f"cmd.default.demo.{command}", env)
+        return env
+
+    try:
+        async with running([OrderAgent(), InventoryAgent()], settings):
+            stock = await ask("inventory.create", {"sku": "S1", "qty": 5})
+            created_stock = await watch.caused_by(stock)
+            assert (created_stock.type, created_stock.subject) == ("inventory.created", "evt.default.demo.inventory.created")
+
+            given = await ask("order.create", {"order_id": "o-1", "sku": "S1", "qty": 3})
+            order = await watch.caused_by(given)
+            assert order.type == "order.created" and order.payload == {"order_id": "o-1", "sku": "S1", "qty": 3}
+            assert order.subject == "evt.default.demo.order.created"
+            reserved = await watch.caused_by_id(_reserve_id(given))
+            assert reserved.type == "inventory.reserved" and reserved.payload["order_id"] == "o-1"
+
+            anonymous = await ask("order.create", {"sku": "S1", "qty": 3}, idempotency_key="req-42")
+            second = await watch.caused_by(anonymous)
+            assert second.payload["order_id"] == derive_uuid("order", "req-42")
+            rejected = await watch.caused_by_id(_reserve_id(anonymous))
+            assert rejected.type == "inventory.rejected" and rejected.payload["reason"] == "not enough stock"
+
+            found = await watch.caused_by(await ask("order.get", {"order_id": "o-1"}))
+            assert found.type == "order.found"
+            assert found.payload["order"] == {"order_id": "o-1", "sku": "S1", "qty": 3, "status": "created"}
+            missing = await watch.caused_by(await ask("order.get", {"order_id": "nope"}))
+            assert (missing.type, missing.payload) == ("order.not_found", {"order_id": "nope"})
+
+            level = await watch.caused_by(await ask("inventory.get", {"sku": "S1"}))
+            assert (level.type, level.payload) == ("inventory.found", {"sku": "S1", "qty": 5, "reserved": 3})
+            none = await watch.caused_by(await ask("inventory.get", {"sku": "S9"}))
+            assert none.type == "inventory.not_found"
+
+            # The same request again (new message, same Idempotency-Key): same event, no change.
+            mark = len(watch.seen)
+            again = await ask("order.create", {"sku": "S1", "qty": 3}, idempotency_key="req-42")
+            echo = await watch.first(lambda e: e.type == "order.created" and e.id == second.id, after=mark)
+            assert echo.causation_id == anonymous.id  # the stored event, as first published
+            level = await watch.caused_by(await ask("inventory.get", {"sku": "S1"}))
+            assert level.payload["reserved"] == 3
+            assert again.id != anonymous.id
+    finally:
+        await watch.stop()
+        await conn.close()
+
+
+def _reserve_id(create: Envelope) -> str:
+    return derive_id(create.id, 1)  # the order's second output: its inventory.reserve
+
+
+async def test_meshforge_run_and_replay_from_the_command_line(private_server: EmbeddedServer, tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'orders.db'}"
+    proc = AgentProcess("meshforge.demo:OrderAgent", store, private_server.url, tmp_path / "run.log")
+    settings = settings_for(private_server.url, store)
+    conn = await open_conn(settings)
+    watch = await EventWatchFor.start(conn, "evt.default.demo.order.>")
+    try:
+        proc.start()
+        publisher = Publisher(conn.js)
+        envs = [Envelope.new("order.create", {"sku": "S", "qty": i + 1}) for i in range(5)]
+        for env in envs:
+            await publisher.publish("cmd.default.demo.order.create", env)
+        for env in envs:
+            await watch.caused_by(env, within=30)
+        assert proc.stop(15) == 0  # SIGTERM: graceful, exit 0
+    finally:
+        proc.kill()
+        await watch.stop()
+        await conn.close()
+
+    result = CliRunner().invoke(app, ["replay", "order", "--store", store])
+    assert result.exit_code == 0, result.output
+    assert "agent order: 5 events over 5 resources" in result.output
+    assert "state hash: sha256:" in result.output
+    result = CliRunner().invoke(app, ["replay", "meshforge.demo:OrderAgent", "--store", store, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["events"] == 5 and report["mismatched"] == []
+    assert report["snapshot_hash"] == report["stored_hash"]
+
+
+def test_meshforge_run_refuses_a_bad_agent_in_one_line(tmp_path: Path) -> None:
+    for spec, words in (("nomodule", "expected MODULE:AGENT"), ("meshforge.demo:Nope", "has no 'Nope'"),
+                        ("json:dumps", "not an Agent")):  # fmt: skip
+        out = subprocess.run(
+            meshforge_command("run", spec, "--nats-url", "nats://127.0.0.1:1"),
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert out.returncode == 1
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], out.stderr
