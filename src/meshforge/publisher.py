@@ -348,7 +348,7 @@ class Publisher:
                 answers.append(error if error is not None else w.result())
         return answers
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ internals
     def _outbound(
         self,
         subject: str,
