@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from meshforge.cli.demo_support import StreamMessage, read_stream
 from meshforge.config import Settings, load_settings
@@ -150,7 +151,11 @@ async def dead_letters_of(conn: Connection, agent: str) -> list[StreamMessage]:
 
 
 async def consumer_idle(conn: Connection, agent: str) -> bool:
-    info = await conn.js.consumer_info("MESHFORGE_COMMANDS", f"{agent}_consumer")
+    """The agent's consumer exists and has nothing pending or unacknowledged."""
+    try:
+        info = await conn.js.consumer_info("MESHFORGE_COMMANDS", f"{agent}_consumer")
+    except NotFoundError:
+        return False  # not provisioned yet
     return info.num_pending == 0 and info.num_ack_pending == 0
 
 

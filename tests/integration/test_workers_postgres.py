@@ -1,0 +1,169 @@
+"""Several workers of one agent sharing its durable consumer on PostgreSQL: still one effect each."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import psycopg
+import pytest
+from test_engine_support import (
+    consumer_idle,
+    events_of,
+    ledger_agent,
+    open_conn,
+    settings_for,
+    wait_until,
+)
+
+from meshforge.cli.demo_support import AgentProcess, read_stream
+from meshforge.decisions import Action, Delivery
+from meshforge.demo import InventoryAgent, OrderAgent
+from meshforge.envelope import Envelope, Outbound
+from meshforge.observability import Metrics
+from meshforge.publisher import Publisher
+from meshforge.runtime.agent import derive_uuid
+from meshforge.runtime.engine import Engine
+from meshforge.runtime.replay import replay
+from meshforge.server import EmbeddedServer
+from meshforge.store import open_store
+from meshforge.subjects import STREAM_FAILED
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def own_pg(pg_database: str) -> Iterator[str]:
+    """A database of this test's own: the demo agents' names must not meet other tests' rows."""
+    base, _, _ = pg_database.rpartition("/")
+    name = f"meshforge_workers_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_database, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    yield f"{base}/{name}"
+    with psycopg.connect(pg_database, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.mark.slow
+async def test_three_workers_one_killed_give_exactly_one_effect_per_command(
+    private_server: EmbeddedServer, own_pg: str, tmp_path: Path
+) -> None:
+    env = {"MESHFORGE_BATCH_SIZE": "8", "MESHFORGE_BACKOFF": "0.5s,1s", "MESHFORGE_MAX_DELIVER": "20"}
+    specs = ["meshforge.demo:OrderAgent", "meshforge.demo:InventoryAgent"]
+    workers = [
+        AgentProcess(specs, own_pg, private_server.url, tmp_path / f"worker{i}.log", env=env)
+        for i in range(3)
+    ]
+    settings = settings_for(private_server.url, own_pg)
+    conn = await open_conn(settings)
+    rng = random.Random(7)
+    try:
+        publisher = Publisher(conn.js)
+        skus = [f"S{i}" for i in range(6)]
+        stock = [Envelope.new("inventory.create", {"sku": s, "qty": 100_000}) for s in skus]
+        await publisher.publish_many([Outbound.of("cmd.default.demo.inventory.create", e) for e in stock])
+        orders = [Envelope.new("order.create", {"sku": rng.choice(skus), "qty": rng.randint(1, 3)})
+                  for _ in range(400)]  # fmt: skip
+        # Re-sends of some requests: new message ids, same Idempotency-Key.
+        resent = [o.with_(id=str(uuid.uuid4())) for o in rng.sample(orders, 60)]
+        for w in workers:
+            w.start()
+        subject = "cmd.default.demo.order.create"
+        await publisher.publish_many([Outbound.of(subject, e) for e in orders[:200]])
+        await asyncio.sleep(rng.uniform(0.3, 0.8))  # let work start, then kill a worker mid-flight
+        workers[0].kill()
+        workers[0].start()
+        await publisher.publish_many([Outbound.of(subject, e) for e in orders[200:] + resent])
+        await asyncio.sleep(rng.uniform(0.2, 0.6))
+        workers[1].kill()
+        workers[1].start()
+
+        async def idle() -> bool:
+            return await consumer_idle(conn, "order") and await consumer_idle(conn, "inventory")
+
+        await wait_until(idle, within=120, what="both agents idle")
+        for w in workers:
+            assert w.stop(20) == 0, w.log_path.read_text()[-2000:]
+
+        events = [m.envelope() for m in await events_of(conn, "order") + await events_of(conn, "inventory")]
+        created: dict[str, set[str]] = defaultdict(set)
+        reserved: dict[str, set[str]] = defaultdict(set)
+        for e in events:
+            assert e is not None
+            if e.type == "order.created":
+                created[e.payload["order_id"]].add(e.id)
+            elif e.type == "inventory.reserved":
+                reserved[e.payload["order_id"]].add(e.id)
+        expected = {derive_uuid("order", o.key) for o in orders}
+        assert set(created) == expected and all(len(ids) == 1 for ids in created.values())
+        assert set(reserved) == expected and all(len(ids) == 1 for ids in reserved.values())
+        assert not await read_stream(conn.js, STREAM_FAILED, "failed.>")
+
+        store = await asyncio.to_thread(open_store, own_pg)
+        try:
+            for name, agent in (("order", OrderAgent()), ("inventory", InventoryAgent())):
+                result = await asyncio.to_thread(replay, store, name, agent)
+                assert result.consistent, result.mismatched
+            logged = list(store.events_read("order"))
+            assert len(logged) == len(orders) and len({e.key for e in logged}) == len(orders)
+            states = (await asyncio.to_thread(replay, store, "inventory", InventoryAgent())).states
+            by_sku: dict[str, int] = defaultdict(int)
+            for o in orders:
+                by_sku[o.payload["sku"]] += o.payload["qty"]
+            assert {s: states[s].reserved for s in skus} == {s: by_sku[s] for s in skus}
+        finally:
+            store.close()
+    finally:
+        for w in workers:
+            w.kill()
+        await conn.close()
+
+
+async def test_same_key_raced_by_two_engines_commits_one_effect(
+    private_server: EmbeddedServer, own_pg: str
+) -> None:
+    agent_a = ledger_agent()
+    agent_b = ledger_agent(agent_a.name)
+    settings = settings_for(private_server.url, own_pg)
+    conn = await open_conn(settings)
+    stores = [await asyncio.to_thread(open_store, own_pg) for _ in range(2)]
+    publisher = Publisher(conn.js)
+    engines = [Engine(a, s, publisher, settings=settings, metrics=Metrics())
+               for a, s in zip((agent_a, agent_b), stores, strict=True)]  # fmt: skip
+    try:
+        # One request key, two different resources: the resource locks do not serialise
+        # them, so the effect's unique key must.
+        key = str(uuid.uuid4())
+        subject = f"cmd.default.test.{agent_a.name}.credit"
+        first = Envelope.new(f"{agent_a.name}.credit", {"account": "x", "amount": 1, "mode": "slow",
+                             "seconds": 0.3}, idempotency_key=key)  # fmt: skip
+        second = first.with_(id=str(uuid.uuid4()), payload={**first.payload, "account": "y"})
+
+        def delivery(env: Envelope, seq: int) -> Delivery:
+            return Delivery(msg=None, subject=subject, data=env.encode(), headers=env.headers(),  # type: ignore[arg-type]
+                            stream="MESHFORGE_COMMANDS", seq=seq, num_delivered=1,
+                            timestamp=datetime.now(UTC), envelope=env)  # fmt: skip
+
+        a, b = await asyncio.gather(
+            engines[0].handle([delivery(first, 1)]), engines[1].handle([delivery(second, 2)])
+        )
+        assert a[0].action is Action.ACK and b[0].action is Action.ACK
+        skipped = [e.metrics.duplicates_skipped.labels(consumer=e.consumer)._value.get() for e in engines]
+        assert sorted(skipped) == [0, 1]  # the loser found the winner's effect and re-published it
+        logged = list(stores[0].events_read(agent_a.name))
+        assert len(logged) == 1
+        published = {m.envelope().id for m in await events_of(conn, agent_a.name)}  # type: ignore[union-attr]
+        assert published == {logged[0].event_id}
+        with stores[0].transaction() as tx:
+            assert (tx.state_get(agent_a.name, "x") is None) != (tx.state_get(agent_a.name, "y") is None)
+    finally:
+        for engine in engines:
+            engine.close()
+        for store in stores:
+            store.close()
+        await conn.close()
