@@ -212,12 +212,15 @@ async def test_two_instances_of_a_node_run_each_command_once(
 ) -> None:
     # The instances share one store: SQLite on one machine, PostgreSQL across machines.
     store = request.getfixturevalue("pg_database") if backend == "postgres" else None
-    a, b = start_node(label="a", store=store), start_node(label="b", store=store)
-    # Both instances are pulling: two pull requests wait on the one durable consumer.
-    end = time.monotonic() + REPLY_TIMEOUT
-    while not await _waiting_pulls(conn, site, at_least=2):
-        assert time.monotonic() < end, f"the two instances never both pulled:\n{a.log()}\n{b.log()}"
-        await _pause()
+    a = start_node(label="a", store=store)
+    await _until_pulling(conn, site, 1, a)
+    b = start_node(label="b", store=store)
+    await _until_pulling(conn, site, 2, a, b)
+    # Two boots on one store: epoch 2. Both instances announce the store's epoch, so the
+    # one that booted first does not keep telling the world its own (older) count.
+    seen = await _epochs_seen(ctl, site, seconds=2.5)
+    assert seen[-1] == 2 and set(seen[seen.index(2) :]) == {2}, seen
+
     ids = list(await asyncio.gather(*(ctl.send(site, "n1", "echo", {"i": i}) for i in range(40))))
     replies = [await _reply(ctl, site, command_id) for command_id in ids]
     assert [r.result for r in replies] == [{"i": i} for i in range(40)]
@@ -229,12 +232,29 @@ async def test_two_instances_of_a_node_run_each_command_once(
     assert await stored_count(conn.js, STREAM_CONTROL, control_command_subject(site, "n1")) == 0
 
 
-async def _waiting_pulls(conn: Connection, site: str, *, at_least: int) -> bool:
-    try:
-        info = await conn.js.consumer_info(STREAM_CONTROL, node_durable(site, "n1"))
-    except NotFoundError:
-        return False
-    return (info.num_waiting or 0) >= at_least
+async def _epochs_seen(ctl: ControlClient, site: str, *, seconds: float) -> list[int | None]:
+    """The announced epochs over a window longer than two presence intervals (1 s)."""
+    seen: list[int | None] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        seen.append((await ctl.status(site, "n1")).epoch)
+        await _pause()
+    return seen
+
+
+async def _until_pulling(conn: Connection, site: str, count: int, *nodes: NodeProcess) -> None:
+    """Wait until ``count`` pull requests wait on the node's durable consumer."""
+    end = time.monotonic() + REPLY_TIMEOUT
+    while True:
+        try:
+            info = await conn.js.consumer_info(STREAM_CONTROL, node_durable(site, "n1"))
+            if (info.num_waiting or 0) >= count:
+                return
+        except NotFoundError:
+            pass
+        logs = "\n".join(node.log() for node in nodes)
+        assert time.monotonic() < end, f"not {count} instance(s) pulling:\n{logs}"
+        await _pause()
 
 
 async def test_malformed_control_message_is_dead_lettered(

@@ -9,7 +9,7 @@ Example::
 
     presence = Presence(conn.js, "lab1", "node7", version="0.1.0", interval=10)
     await presence.announce(epoch=3, started_at=now_ts())
-    presence.start(lambda: runtime.epoch)        # re-announce every 10 s
+    presence.start(runtime.current_epoch)        # re-announce every 10 s
     seen = await read_announcement(conn.js, "lab1", "node7")
 """
 
@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -205,15 +205,15 @@ class Presence:
         self.last = note
         return note
 
-    def start(self, epoch: Callable[[], int]) -> None:
-        """Announce every ``interval`` seconds with the epoch ``epoch()`` returns then."""
+    def start(self, epoch: Callable[[], Awaitable[int]]) -> None:
+        """Announce every ``interval`` seconds with the epoch ``await epoch()`` gives then."""
         if self._task is None:
             self._task = asyncio.create_task(self._loop(epoch), name=f"presence-{self.key}")
 
-    async def _loop(self, epoch: Callable[[], int]) -> None:
+    async def _loop(self, epoch: Callable[[], Awaitable[int]]) -> None:
         while True:
             await asyncio.sleep(self.interval)  # the announcement period itself
-            await self.announce(epoch())
+            await self.announce(await epoch())
 
     async def stop(self, epoch: int | None = None) -> None:
         """Stop announcing; with ``epoch``, announce a last time that the node stopped."""

@@ -124,7 +124,7 @@ class NodeRuntime:
         log.info("node %s.%s starting at epoch %d", self.site, self.name, self.epoch)
         await self.node.on_start(self.site, self.name, self.epoch)
         await self.presence.announce(self.epoch)
-        self.presence.start(lambda: self.epoch)
+        self.presence.start(self.current_epoch)
         consumer = Consumer(
             self.conn,
             self.spec,
@@ -149,6 +149,19 @@ class NodeRuntime:
             await self.presence.stop(self.epoch)
             await self.node.on_stop()
             log.info("node %s.%s stopped", self.site, self.name)
+
+    async def current_epoch(self) -> int:
+        """The node's epoch as its store holds it now (another instance may have bumped it)."""
+        try:
+            stored = await self._tx(lambda tx: tx.node_epoch(self.site, self.name))
+        except Exception as exc:  # presence must not die with the store; keep the last known
+            log.warning(
+                "reading the epoch of %s.%s failed: %s", self.site, self.name, one_line(exc, 300)
+            )
+            return self.epoch
+        if stored is not None:
+            self.epoch = stored
+        return self.epoch
 
     async def _mark_ready(self, consumer: Consumer) -> None:
         await consumer.ready.wait()
