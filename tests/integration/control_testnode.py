@@ -27,12 +27,17 @@ def _record(ctx: CommandContext) -> None:
 
 
 class RecordingNode(DemoNode):
-    """``echo`` records each run; ``fail`` records the attempt and raises."""
+    """``echo`` and ``sleep`` record each run; ``fail`` records the attempt and raises."""
 
     @command()
     async def echo(self, payload: dict[str, Any], ctx: CommandContext) -> Any:
         _record(ctx)
         return payload
+
+    @command()
+    async def sleep(self, payload: dict[str, Any], ctx: CommandContext) -> Any:
+        _record(ctx)
+        return await super().sleep(payload, ctx)
 
     @command()
     async def fail(self, payload: dict[str, Any], ctx: CommandContext) -> Any:

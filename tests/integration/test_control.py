@@ -134,6 +134,19 @@ async def test_scheduled_command_runs_at_its_time_not_before(
     assert 0 <= lateness <= 1.0, f"ran {lateness:+.3f}s after its not_before"
 
 
+async def test_long_command_outlives_ack_wait_and_runs_once(
+    ctl: ControlClient, conn: Connection, site: str, run_log: Path, start_node: NodeFactory
+) -> None:
+    # ack_wait 1 s, a 3 s command: only in-progress acks keep it from being redelivered.
+    start_node(env={"MESHFORGE_ACK_WAIT": "1"})
+    command_id = await ctl.send(site, "n1", "sleep", {"seconds": 3})
+    reply = await _reply(ctl, site, command_id)
+    assert (reply.status, reply.result) == ("ok", {"slept": 3})
+    # A redelivery during the sleep would have found no stored reply and run it again.
+    assert [r[0] for r in runs(run_log)] == [command_id]
+    assert await reply_count(conn.js, control_reply_subject(site, "n1")) == 1
+
+
 async def test_expired_command_is_not_run(
     ctl: ControlClient, conn: Connection, site: str, run_log: Path, start_node: NodeFactory
 ) -> None:
