@@ -1,0 +1,5 @@
+"""``python -m meshforge`` runs the ``meshforge`` command."""
+
+from meshforge.cli import main
+
+main()
