@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_engine_support import EventWatchFor, open_conn, running, settings_for
 from typer.testing import CliRunner
 
@@ -16,6 +18,7 @@ from meshforge.demo import InventoryAgent, OrderAgent
 from meshforge.envelope import Envelope, derive_id
 from meshforge.publisher import Publisher
 from meshforge.runtime.agent import derive_uuid
+from meshforge.runtime.worker import import_from_cwd, load_agent
 from meshforge.server import EmbeddedServer
 
 
@@ -73,6 +76,9 @@ async def test_demo_agents_follow_the_contract(private_server: EmbeddedServer, s
         await conn.close()
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 def _reserve_id(create: Envelope) -> str:
     return derive_id(create.id, 1)  # the order's second output: its inventory.reserve
 
@@ -118,3 +124,30 @@ def test_meshforge_run_refuses_a_bad_agent_in_one_line(tmp_path: Path) -> None:
         assert out.returncode == 1
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], out.stderr
+
+
+async def test_the_twenty_line_example_runs(
+    private_server: EmbeddedServer, sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # restored after the test
+    import_from_cwd()
+    example = load_agent("examples.order_agent:Orders")
+    settings = settings_for(private_server.url, sqlite_url)
+    conn = await open_conn(settings)
+    watch = await EventWatchFor.start(conn, "evt.>")
+    try:
+        async with running([example, InventoryAgent()], settings):
+            publisher = Publisher(conn.js)
+            stock = Envelope.new("inventory.create", {"sku": "K", "qty": 9})
+            await publisher.publish("cmd.default.demo.inventory.create", stock)
+            await watch.caused_by(stock)
+            place = Envelope.new("shop.place", {"order_id": "p1", "sku": "K", "qty": 4})
+            await publisher.publish("cmd.default.demo.shop.place", place)
+            placed = await watch.caused_by(place)
+            assert placed.subject == "evt.default.demo.shop.placed"
+            reserved = await watch.caused_by_id(derive_id(place.id, 1))
+            assert reserved.type == "inventory.reserved"
+    finally:
+        await watch.stop()
+        await conn.close()

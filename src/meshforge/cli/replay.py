@@ -38,10 +38,11 @@ def replay(
     from meshforge.config import load_settings
     from meshforge.runtime.agent import Agent
     from meshforge.runtime.replay import replay as run_replay
-    from meshforge.runtime.worker import load_agent
+    from meshforge.runtime.worker import import_from_cwd, load_agent
     from meshforge.store import open_store
     from meshforge.subjects import validate_token
 
+    import_from_cwd()
     instance: Agent[object] | None = load_agent(agent) if ":" in agent else None
     name = instance.name if instance is not None else validate_token(agent, "agent name")
     settings = load_settings({"store_url": store})

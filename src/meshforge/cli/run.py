@@ -46,7 +46,7 @@ def run(
     in-flight commands finish (or go back to the stream), nothing is lost."""
     from meshforge.config import load_settings
     from meshforge.observability import configure_logging
-    from meshforge.runtime.worker import load_agent
+    from meshforge.runtime.worker import import_from_cwd, load_agent
 
     settings = load_settings(
         {
@@ -57,6 +57,7 @@ def run(
         }
     )
     configure_logging(settings.log_level, settings.log_json)
+    import_from_cwd()
     instances = [load_agent(spec) for spec in agents]
     with nats_target(settings.nats_url) as url:
         asyncio.run(_serve(instances, dataclasses.replace(settings, nats_url=url)))

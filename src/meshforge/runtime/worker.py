@@ -17,7 +17,9 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import os
 import signal
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,9 +35,16 @@ from meshforge.store import open_store
 from meshforge.store.base import Store
 from meshforge.topology import agent_consumer, default_streams, ensure, verify
 
-__all__ = ["Worker", "load_agent"]
+__all__ = ["Worker", "import_from_cwd", "load_agent"]
 
 log = logging.getLogger("meshforge.worker")
+
+
+def import_from_cwd() -> None:
+    """Let ``MODULE:AGENT`` name modules of the current directory, as ``python -m`` would."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def load_agent(spec: str) -> Agent[Any]:
