@@ -42,7 +42,15 @@ from meshforge.errors import ConfigError, PublishError, one_line
 from meshforge.spark.nats_sync import ConnOptions, SyncNats, lower_keys
 from meshforge.subjects import validate_subject
 
-__all__ = ["JetStreamStreamWriter", "JetStreamWriter", "PublishReport", "derive_msg_id"]
+__all__ = [
+    "JetStreamStreamWriter",
+    "JetStreamWriter",
+    "PublishReport",
+    "WriteOptions",
+    "derive_msg_id",
+    "outgoing",
+    "publish_window",
+]
 
 log = logging.getLogger("meshforge.spark")
 
@@ -141,30 +149,41 @@ class WriteOptions:
         )
 
 
+def outgoing(
+    opts: WriteOptions,
+    subject: str | None,
+    body: bytes | str | None,
+    headers: Mapping[str, str] | Sequence[tuple[str, str]] | None,
+    msg_id: str | None,
+    key: Sequence[Any] = (),
+) -> _Outgoing:
+    """One row as the message to publish: subject checked, id given or derived."""
+    subject = opts.subject or subject
+    if not subject:
+        raise ConfigError("jetstream sink: a row has no subject")
+    validate_subject(subject)
+    data = b"" if body is None else body.encode() if isinstance(body, str) else bytes(body)
+    pairs = headers.items() if isinstance(headers, Mapping) else (headers or [])
+    hdrs = {str(k): str(v) for k, v in pairs if v is not None}
+    msg_id = msg_id or derive_msg_id(subject, data, key)
+    hdrs["Nats-Msg-Id"] = str(msg_id)
+    return _Outgoing(subject, data, hdrs, str(msg_id))
+
+
 def _rows(batch: pa.RecordBatch, opts: WriteOptions) -> list[_Outgoing]:
     n = batch.num_rows
-    col = batch.schema.get_field_index
-    subjects = batch.column(col(opts.subject_column)).to_pylist() if opts.subject_column and not opts.subject else [opts.subject] * n
-    bodies = batch.column(col(opts.data_column)).to_pylist()
-    headers = batch.column(col(opts.headers_column)).to_pylist() if opts.headers_column else [None] * n
-    ids = batch.column(col(opts.msg_id_column)).to_pylist() if opts.msg_id_column else [None] * n
-    keys = [batch.column(col(k)).to_pylist() for k in opts.key_columns]
-    out = []
-    for i in range(n):
-        subject = subjects[i]
-        if subject is None:
-            raise ConfigError(f"jetstream sink: row {i} of a batch has no subject")
-        validate_subject(subject)
-        body = bodies[i]
-        data = b"" if body is None else body.encode() if isinstance(body, str) else bytes(body)
-        hdrs = {str(k): str(v) for k, v in (headers[i] or []) if v is not None}
-        msg_id = ids[i] or derive_msg_id(subject, data, [k[i] for k in keys])
-        hdrs["Nats-Msg-Id"] = str(msg_id)
-        out.append(_Outgoing(subject, data, hdrs, str(msg_id)))
-    return out
+
+    def column(name: str | None) -> list[Any]:
+        return batch.column(batch.schema.get_field_index(name)).to_pylist() if name else [None] * n
+
+    subjects = column(None if opts.subject else opts.subject_column)
+    bodies, headers, ids = column(opts.data_column), column(opts.headers_column), column(opts.msg_id_column)
+    keys = [column(k) for k in opts.key_columns]
+    return [outgoing(opts, subjects[i], bodies[i], headers[i], ids[i], [k[i] for k in keys]) for i in range(n)]
 
 
-async def _publish(client: SyncNats, items: list[_Outgoing], opts: WriteOptions, report: PublishReport) -> None:
+async def publish_window(client: SyncNats, items: list[_Outgoing], opts: WriteOptions, report: PublishReport) -> None:
+    """Publish ``items`` together; failed ones again with the same ids, then raise."""
     js = client.js
     pending = items
     for attempt in range(1, opts.attempts + 1):
@@ -203,7 +222,7 @@ def publish_batches(conn: ConnOptions, opts: WriteOptions, batches: Iterator[pa.
             rows = _rows(batch, opts)
             for i in range(0, len(rows), opts.max_in_flight):
                 window = rows[i : i + opts.max_in_flight]
-                client.run(_publish(client, window, opts, report))
+                client.run(publish_window(client, window, opts, report))
                 report.rows += len(window)
                 if opts.rate > 0:
                     # pace to the rate: never ahead of rows / rate seconds

@@ -1,0 +1,146 @@
+"""ingest and audit end to end: a real server, a real SQLite store, local Spark."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import nats
+import pytest
+from pyspark.sql import SparkSession
+
+from meshforge.envelope import Envelope, Outbound
+from meshforge.server import EmbeddedServer
+from meshforge.spark.pipelines import audit, ingest
+from meshforge.store import StoredOutput, open_store
+
+pytestmark = pytest.mark.spark
+
+EVENTS, FAILED = "MESHFORGE_EVENTS", "MESHFORGE_FAILED"
+CMD_SUBJECT = "cmd.default.demo.order.create"
+EVT_SUBJECT = "evt.default.demo.order.created"
+
+
+async def _streams(url: str) -> None:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await js.add_stream(name=EVENTS, subjects=["evt.>"])
+    await js.add_stream(name=FAILED, subjects=["failed.>"])
+    await nc.close()
+
+
+async def _publish(url: str, messages: list[tuple[str, bytes, dict[str, str]]]) -> None:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    for subject, data, headers in messages:
+        await js.publish(subject, data, headers=headers)
+    await nc.close()
+
+
+class Scenario:
+    """Commands processed by an order agent: effects in the store, events on the wire."""
+
+    def __init__(self, store_url: str) -> None:
+        self.store = open_store(store_url)
+        self.wire: list[tuple[str, bytes, dict[str, str]]] = []
+
+    def processed(self, deliveries: int = 1) -> Envelope:
+        cmd = Envelope.new("order.create", {"sku": "A", "qty": 1}, source="test")
+        event = cmd.child("order.created", {"order_id": str(uuid.uuid4())}, position=0)
+        out = Outbound.of(EVT_SUBJECT, event)
+        with self.store.transaction() as tx:
+            self._begin(tx, cmd, deliveries)
+            tx.effect_put("order_consumer", cmd.key, cmd.id, [StoredOutput(0, out.subject, out.msg_id, out.data, out.headers)])
+            tx.inbox_done(cmd.key, "order_consumer")
+            tx.effect_mark_published("order_consumer", cmd.key)
+        self.wire.append((out.subject, out.data, out.headers))
+        return cmd
+
+    def dead_lettered(self) -> Envelope:
+        cmd = Envelope.new("order.create", {"qty": -1}, source="test")
+        with self.store.transaction() as tx:
+            self._begin(tx, cmd, 5)
+            tx.inbox_failed(cmd.key, "order_consumer", "Unrecoverable: bad qty")
+        headers = {**cmd.headers(), "Dlq-Reason": "unrecoverable", "Dlq-Error": "Unrecoverable: bad qty",
+                   "Dlq-Deliveries": "5", "Dlq-Original-Subject": CMD_SUBJECT}  # fmt: skip
+        self.wire.append((f"failed.{CMD_SUBJECT}", cmd.encode(), headers))
+        return cmd
+
+    def received_only(self) -> Envelope:
+        cmd = Envelope.new("order.create", {"sku": "B", "qty": 1}, source="test")
+        with self.store.transaction() as tx:
+            self._begin(tx, cmd, 1)
+        return cmd
+
+    def duplicate_event(self, cmd: Envelope) -> None:
+        stray = cmd.child("order.created", {"order_id": "again"}, position=0).with_(id=str(uuid.uuid4()))
+        out = Outbound.of(EVT_SUBJECT, stray)
+        self.wire.append((out.subject, out.data, out.headers))
+
+    @staticmethod
+    def _begin(tx: object, cmd: Envelope, deliveries: int) -> None:
+        tx.inbox_begin(  # type: ignore[attr-defined]
+            cmd.key, "order_consumer", message_id=cmd.id, type=cmd.type, subject=CMD_SUBJECT,
+            stream="MESHFORGE_COMMANDS", stream_seq=1, deliveries=deliveries, headers=cmd.headers(),
+        )  # fmt: skip
+
+
+async def test_ingest_twice_lands_each_message_once(spark: SparkSession, private_server: EmbeddedServer, tmp_path: Path) -> None:
+    url = private_server.url
+    await _streams(url)
+    bodies = [(EVT_SUBJECT, Envelope.new("order.created", {"n": i}).encode(), {}) for i in range(40)]
+    await _publish(url, bodies[:25])
+    first = ingest(spark, url, EVENTS, tmp_path / "events", max_messages_per_trigger=10)
+    assert (first.rows, first.batches, first.end_offset) == (25, 3, {EVENTS: 26})
+    await _publish(url, bodies[25:])
+    second = ingest(spark, url, EVENTS, tmp_path / "events")
+    assert (second.rows, second.end_offset) == (15, {EVENTS: 41})
+    assert ingest(spark, url, EVENTS, tmp_path / "events").rows == 0
+    landed = spark.read.parquet(str(tmp_path / "events"))
+    assert sorted(r.seq for r in landed.select("seq").collect()) == list(range(1, 41))
+    assert {r.type for r in landed.select("type").distinct().collect()} == {"order.created"}
+    assert list((tmp_path / "events").glob("date=*/type=order.created/*.parquet"))
+
+
+async def test_audit_passes_on_clean_data_and_catches_planted_faults(
+    spark: SparkSession, private_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    url, store_url = private_server.url, f"sqlite:///{tmp_path / 'store.db'}"
+    await _streams(url)
+    scenario = Scenario(store_url)
+    commands = [scenario.processed(deliveries=1 + (i % 3 == 0)) for i in range(6)]
+    scenario.dead_lettered()
+    await _publish(url, scenario.wire)
+    events, failed = tmp_path / "events", tmp_path / "failed"
+
+    def run(report: Path):  # type: ignore[no-untyped-def]
+        ingest(spark, url, EVENTS, events)
+        ingest(spark, url, FAILED, failed)
+        return audit(spark, str(events), report, failed=str(failed), store_url=store_url)
+
+    clean = run(tmp_path / "clean")
+    counts = clean.findings["counts"]
+    assert clean.ok, json.dumps(clean.findings["violations"], default=str)
+    assert (counts["events"], counts["commands"], counts["effects"]) == (6, 7, 6)
+    assert clean.findings["dead_letters"]["by_reason"] == {"unrecoverable": 1}
+    assert clean.findings["dead_letters"]["by_subject"] == {CMD_SUBJECT: 1}
+    assert clean.findings["redeliveries"]["messages_redelivered"] == 3  # two of six + the dead letter
+    assert clean.findings["latency_ms"]["count"] == 6 and clean.findings["latency_ms"]["p50"] >= 0
+    assert json.loads(clean.json_path.read_text())["ok"] is True
+    assert "Exactly-once holds" in clean.html_path.read_text()
+
+    scenario.wire.clear()
+    scenario.duplicate_event(commands[2])
+    lost = scenario.received_only()
+    await _publish(url, scenario.wire)
+    bad = run(tmp_path / "bad")
+    assert not bad.ok
+    dups = bad.findings["violations"]["duplicate_effects"]
+    assert [d["causation_id"] for d in dups] == [commands[2].id]
+    assert [m["command_id"] for m in bad.findings["violations"]["missing_effects"]] == [lost.id]
+    assert bad.findings["counts"]["lost_outputs"] == 0
+    html = bad.html_path.read_text()
+    assert "Exactly-once VIOLATED" in html and commands[2].id in html and "<svg" in html
+    assert "http://" not in html and "https://" not in html
+    scenario.store.close()
