@@ -173,4 +173,4 @@ def test_meshforge_demo_tells_the_whole_story(tmp_path: Path) -> None:
     assert rows["commands sent"] == "300" and rows["orders created"] == "300"
     assert rows["duplicate effects"] == "0" and rows["lost commands"] == "0"
     assert rows["order state hash after replay"].endswith("✅")
-    assert (tmp_path / ".meshforge" / "demo" / "order.db").exists()
+    assert (tmp_path / ".meshforge" / "demo" / "store.db").exists()

@@ -56,15 +56,18 @@ def demo(
     work = HOME / "demo"
     shutil.rmtree(work, ignore_errors=True)  # the demo's own stores and logs, fresh each run
     work.mkdir(parents=True, exist_ok=True)
+    store_url = f"sqlite:///{work / 'store.db'}"  # one file for both agents (SQLite WAL)
     with nats_target(nats_url) as url:
-        ok = asyncio.run(_story(console, url, work, orders, kill_at, timeout))
-    run_pipeline_report(url, work, console)
+        ok = asyncio.run(_story(console, url, store_url, work, orders, kill_at, timeout))
+        run_pipeline_report(url, store_url, work, console)
     if not ok:
         raise typer.Exit(1)
 
 
-def run_pipeline_report(nats_url: str, work: Path, console: Console) -> Path | None:
-    """Hook for the Spark report over the demo's streams: ingest, audit, write the report.
+def run_pipeline_report(nats_url: str, store_url: str, work: Path, console: Console) -> Path | None:
+    """Hook for the Spark report over the demo's run: ingest MESHFORGE_EVENTS (and the dead
+    letters) into Parquet under ``work``, audit them against the store at ``store_url``,
+    and return the report's path.
 
     A no-op (returns None) while ``meshforge.spark.pipelines`` is not available.
     """
@@ -83,7 +86,9 @@ class _Load:
     killed_at: int | None = None
 
 
-async def _story(console: Console, url: str, work: Path, orders: int, kill_at: float, patience: float) -> bool:
+async def _story(
+    console: Console, url: str, store_url: str, work: Path, orders: int, kill_at: float, patience: float
+) -> bool:
     from meshforge.cli.demo_support import AgentProcess, EventWatch
     from meshforge.config import load_settings
     from meshforge.connection import connect
@@ -92,10 +97,9 @@ async def _story(console: Console, url: str, work: Path, orders: int, kill_at: f
     settings = load_settings({"nats_url": url})
     conn = await connect(settings, name="meshforge-demo")
     run = uuid.uuid4().hex[:6]
-    stores = {name: f"sqlite:///{work / name}.db" for name in ("order", "inventory")}
     agents = {
-        "order": AgentProcess(ORDER, stores["order"], url, work / "order.log"),
-        "inventory": AgentProcess(INVENTORY, stores["inventory"], url, work / "inventory.log"),
+        "order": AgentProcess(ORDER, store_url, url, work / "order.log"),
+        "inventory": AgentProcess(INVENTORY, store_url, url, work / "inventory.log"),
     }
     watch = EventWatch()
     try:
@@ -116,7 +120,7 @@ async def _story(console: Console, url: str, work: Path, orders: int, kill_at: f
         load = await _load(console, conn, watch, agents["order"], run, orders, kill_at, patience)
         for proc in agents.values():
             proc.stop()
-        return await _audit(console, conn, load, start_seq, stores, run)
+        return await _audit(console, conn, load, start_seq, store_url)
     finally:
         await watch.stop()
         for proc in agents.values():
@@ -249,7 +253,7 @@ async def _load(
 
 
 async def _audit(
-    console: Console, conn: Connection, load: _Load, start_seq: int, stores: dict[str, str], run: str
+    console: Console, conn: Connection, load: _Load, start_seq: int, store_url: str
 ) -> bool:
     from meshforge.cli.demo_support import meshforge_command, read_stream
 
@@ -273,7 +277,7 @@ async def _audit(
     for name, spec in (("order", ORDER), ("inventory", INVENTORY)):
         out = await asyncio.to_thread(
             subprocess.run,
-            meshforge_command("replay", spec, "--store", stores[name], "--json"),
+            meshforge_command("replay", spec, "--store", store_url, "--json"),
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         replays[name] = json.loads(out.stdout) if out.stdout.strip() else {"error": out.stderr.strip()}

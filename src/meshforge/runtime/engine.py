@@ -186,9 +186,7 @@ class Engine(Generic[S]):
                     log.warning("%s: store failed, batch will be redelivered: %s", self.consumer, exc)
                     return self._nak_all(works)
             for work in works:
-                work.outputs.clear()
-                work.events.clear()
-                work.fresh = False
+                work.outputs, work.events, work.fresh = [], [], False
         return self._nak_all(works)
 
     def _nak_all(self, works: list[_Work]) -> _Plan:
