@@ -174,3 +174,15 @@ def test_meshforge_demo_tells_the_whole_story(tmp_path: Path) -> None:
     assert rows["duplicate effects"] == "0" and rows["lost commands"] == "0"
     assert rows["order state hash after replay"].endswith("✅")
     assert (tmp_path / ".meshforge" / "demo" / "store.db").exists()
+
+
+def test_no_provision_fails_clearly_when_topology_is_missing(private_server: EmbeddedServer, tmp_path: Path) -> None:
+    out = subprocess.run(
+        meshforge_command("run", "meshforge.demo:OrderAgent", "--no-provision", "--nats-url",
+                          private_server.url, "--store", f"sqlite:///{tmp_path / 's.db'}"),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "missing JetStream topology" in errors[0], out.stderr
+    assert "MESHFORGE_COMMANDS" in errors[0]

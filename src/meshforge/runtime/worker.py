@@ -33,11 +33,13 @@ from meshforge.runtime.agent import Agent
 from meshforge.runtime.engine import Engine
 from meshforge.store import open_store
 from meshforge.store.base import Store
+from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
 from meshforge.topology import agent_consumer, default_streams, ensure, verify
 
 __all__ = ["Worker", "import_from_cwd", "load_agent"]
 
 log = logging.getLogger("meshforge.worker")
+_AGENT_STREAMS = (STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED)
 
 
 def import_from_cwd() -> None:
@@ -113,7 +115,9 @@ class Worker:
             if settings.provision:
                 await ensure(conn.js, default_streams(settings), specs)
             else:
-                await verify(conn.js, default_streams(settings), specs)
+                # Least privilege: only what agents use must exist (not the control plane's).
+                needed = [s for s in default_streams(settings) if s.name in _AGENT_STREAMS]
+                await verify(conn.js, needed, specs)
             publisher = Publisher(conn.js, settings, self.metrics)
             for agent, spec in zip(self.agents, specs, strict=True):
                 engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
