@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,20 +36,16 @@ from nats.js.errors import NotFoundError
 
 from meshforge.ack import Acker
 from meshforge.config import Settings, load_settings
+from meshforge.consumer_work import Limits, Processor, Workers
 from meshforge.decisions import (
-    REASON_MALFORMED,
-    REASON_MAX_DELIVERIES,
     Action,
     BatchHandler,
     Decision,
     Delivery,
     Handler,
     Middleware,
-    decide,
 )
-from meshforge.envelope import decode
-from meshforge.errors import ConfigError, ConnectionFailed, MalformedMessage, MissingTopology
-from meshforge.faults import crash_point
+from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology
 from meshforge.middleware import (
     chain,
     logging_middleware,
@@ -59,7 +54,7 @@ from meshforge.middleware import (
     tracing_middleware,
 )
 from meshforge.observability import Metrics
-from meshforge.pull import PullSource
+from meshforge.pull import PullLoop, PullSource
 from meshforge.push import ensure_push_consumer
 
 if TYPE_CHECKING:
@@ -92,10 +87,6 @@ class _Default:
 #: ``max_deliver`` default: one less than the consumer's MaxDeliver (the last delivery is
 #: kept for dead-lettering), or ``settings.max_deliver`` when the server has no limit.
 DEFAULT: Any = _Default()
-
-_IDLE_MIN, _IDLE_MAX = 0.05, 1.0
-_SILENT_REBUILD = 2  # silent pull requests in a row before the subscription is rebuilt
-_STALL_CHECK = 10.0  # seconds of empty fetches between checks of the consumer's pending count
 
 
 class Consumer:
@@ -173,28 +164,19 @@ class Consumer:
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
         self._finished = asyncio.Event()
-        self._freed = asyncio.Event()
         self._stop_timeout: float | None = None
         self._running = False
-        self._tasks: dict[asyncio.Task[None], list[Msg]] = {}
-        self._ack_wait = self.settings.ack_wait
-        self._wait_backoff: tuple[float, ...] = ()
-        self._server_max = -1
+        self._workers = Workers(self.durable, self.metrics, self._stop)
         self._deliver: tuple[str, str] = ("", "")
-        self._acker: Acker | None = None
+        self._processor: Processor | None = None
         self._source: PullSource | None = None
         self._push_sub: Subscription | None = None
-        label = {"consumer": self.durable}
-        self._consumed = self.metrics.consumed.labels(**label)
-        self._redelivered = self.metrics.redeliveries.labels(**label)
-        self._in_flight = self.metrics.in_flight.labels(**label)
-        self._batch_seconds = self.metrics.handler_seconds.labels(**label)
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def in_flight(self) -> int:
         """Messages being handled now."""
-        return sum(len(msgs) for msgs in self._tasks.values())
+        return self._workers.in_flight
 
     async def run(self) -> None:
         """Consume until ``stop()`` (or cancellation); then finish or nak in-flight work."""
@@ -272,21 +254,35 @@ class Consumer:
             if not self._deliver[0]:
                 raise ConfigError(f"consumer {self.stream}/{self.durable} is not a push consumer")
         config = info.config
-        self._ack_wait = float(config.ack_wait or self.settings.ack_wait)
-        self._wait_backoff = tuple(config.backoff or ())
-        server_max = self._server_max = config.max_deliver or -1
+        server_max = config.max_deliver or -1
         if self._max_deliver_arg is DEFAULT:
-            self.max_deliver = (
-                max(1, server_max - 1) if server_max > 0 else self.settings.max_deliver
-            )
+            limit = max(1, server_max - 1) if server_max > 0 else self.settings.max_deliver
         else:
-            self.max_deliver = self._max_deliver_arg
-        self._acker = Acker(
+            limit = self._max_deliver_arg
+        limits = Limits(
+            max_deliver=limit,
+            server_max=server_max,
+            ack_wait=float(config.ack_wait or self.settings.ack_wait),
+            wait_backoff=tuple(config.backoff or ()),
+        )
+        self.max_deliver = limit
+        acker = Acker(
             self.durable,
             self.metrics,
             self._get_publisher,
-            backoff=self._wait_backoff or self.settings.backoff,
+            backoff=limits.wait_backoff or self.settings.backoff,
             ack_sync=self._ack_sync,
+        )
+        self._processor = Processor(
+            self.durable,
+            acker,
+            self.metrics,
+            limits,
+            chain=self._chain,
+            batch_handler=self._batch_handler,
+            decode=self.decode,
+            unrecoverable=self.unrecoverable,
+            batch_timeout=self._handler_timeout,
         )
 
     async def _missing_streams(self) -> list[Any]:
@@ -302,96 +298,44 @@ class Consumer:
             return wanted
         return []
 
-    def _keepalive_period(self, num_delivered: int) -> float:
-        """A third of the shortest time the server waits for this delivery's ack."""
-        wait = self._ack_wait
-        if self._wait_backoff:
-            wait = min(wait, self._wait_backoff[min(num_delivered, len(self._wait_backoff)) - 1])
-        return max(wait / 3, 0.01)
-
     # ------------------------------------------------------------------ pull
     async def _run_pull(self) -> None:
-        source = self._source = PullSource(self._conn.nc, self.stream, self.durable)
-        await source.start()
-        self.ready.set()
-        log.info(
-            "consumer %s/%s pulling", self.stream, self.durable, extra={"consumer": self.durable}
-        )
-        idle = _IDLE_MIN
-        silent = 0
-        idle_since: float | None = None
-        last_check = time.monotonic()
-        limit = self.batch_size if self._batch_handler else self.concurrency
-        while not self._stop.is_set():
-            if not await self._wait_capacity(limit):
-                break
-            free = limit - self.in_flight
-            started = time.monotonic()
-            result = await source.fetch(min(self.batch_size, free), self._stop)
-            for msg in result.surplus:
-                await self._nak_quietly(msg)
-            if result.messages:
-                crash_point("after_fetch")
-                idle, silent, idle_since = _IDLE_MIN, 0, None
-                if self._batch_handler:
-                    self._spawn(self._handle_batch(result.messages), result.messages)
-                else:
-                    for msg in result.messages:
-                        self._spawn(self._handle_one(msg), [msg])
-                continue
-            if result.outcome == "stopped":
-                break
-            if self._conn.nc.is_closed:
-                raise ConnectionFailed(f"consumer {self.durable}: the NATS connection is closed")
-            if result.outcome == "silent":
-                silent += 1
-                if silent >= _SILENT_REBUILD:
-                    await self._rebuild(f"{silent} pull requests went unanswered")
-                    silent = 0
-            elif result.outcome == "error":
-                log.warning(
-                    "pull %s: %s", self.durable, result.detail, extra={"consumer": self.durable}
-                )
-                if result.status == "409" and "deleted" in result.detail.lower():
-                    await self._rebuild(result.detail)
+        assert self._processor is not None
+        processor, workers = self._processor, self._workers
+        batch = self._batch_handler is not None
+
+        def dispatch(msgs: list[Msg]) -> None:
+            if batch:
+                workers.spawn(processor.handle_batch(msgs), msgs)
             else:
-                silent = 0
-                idle_since = idle_since or started
-                if time.monotonic() - max(idle_since, last_check) >= _STALL_CHECK:
-                    last_check = time.monotonic()
-                    await self._check_stall()
-            # Back off between empty fetches; a long poll that waited counts toward it.
-            await self._sleep(idle - (time.monotonic() - started))
-            idle = min(idle * 2, _IDLE_MAX)
+                for msg in msgs:
+                    workers.spawn(processor.handle_one(msg), [msg])
 
-    async def _wait_capacity(self, limit: int) -> bool:
-        while self.in_flight >= limit:
-            self._freed.clear()
-            if not await self._wait_any(self._freed):
-                return False
-        return not self._stop.is_set()
-
-    async def _wait_any(self, event: asyncio.Event) -> bool:
-        """Wait for ``event`` or stop; False when stopping."""
-        waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stop.wait())}
+        source = PullSource(self._conn.nc, self.stream, self.durable)
+        await source.start()
+        self._source = source
+        loop = PullLoop(
+            source,
+            stop=self._stop,
+            batch_size=self.batch_size,
+            wait_free=workers.wait_free,
+            in_flight=lambda: workers.in_flight,
+            limit=self.batch_size if batch else self.concurrency,
+            dispatch=dispatch,
+            nak=self._nak_quietly,
+            recover=self._recover,
+            pending=self._pending,
+            closed=lambda: self._conn.nc.is_closed,
+        )
+        self.ready.set()
+        log.info("consumer %s/%s pulling", self.stream, self.durable)
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-        return not self._stop.is_set()
+            await loop.run()
+        except ConnectionError as exc:
+            raise ConnectionFailed(f"consumer {self.durable}: {exc}") from None
 
-    async def _sleep(self, seconds: float) -> None:
-        if seconds > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), seconds)
-
-    async def _rebuild(self, why: str) -> None:
-        """Fresh inbox, and the consumer provisioned again if it vanished."""
-        assert self._source is not None
-        log.warning("consumer %s: %s; rebuilding the pull subscription", self.durable, why)
-        for msg in await self._source.rebuild():
-            await self._nak_quietly(msg)
+    async def _recover(self) -> None:
+        """After a stall: provision the consumer again if it vanished (when allowed)."""
         try:
             await self._conn.js.consumer_info(self.stream, self.durable)
         except NotFoundError:
@@ -403,14 +347,14 @@ class Consumer:
         except Exception as exc:  # server still away: the next fetch tells
             log.info("consumer %s: info unavailable: %s", self.durable, exc)
 
-    async def _check_stall(self) -> None:
-        """Empty fetches while the server holds undelivered messages: a stalled request."""
+    async def _pending(self) -> int | None:
+        """Undelivered messages the server holds for this consumer (None if unknown)."""
         try:
             info = await self._conn.js.consumer_info(self.stream, self.durable)
         except Exception:  # unreachable server: the fetches will say so
-            return
-        if (info.num_pending or 0) > 0:
-            await self._rebuild(f"{info.num_pending} messages pending but fetches return none")
+            return None
+        pending: int | None = info.num_pending
+        return pending
 
     # ------------------------------------------------------------------ push
     async def _run_push(self) -> None:
@@ -425,103 +369,13 @@ class Consumer:
             if msg.reply:  # flow control asks for an empty reply
                 await self._conn.nc.publish(msg.reply)
             return
-        if self._stop.is_set() or not await self._wait_capacity(self.concurrency):
+        if self._stop.is_set() or not await self._workers.wait_free(self.concurrency):
             await self._nak_quietly(msg)
             return
-        self._spawn(self._handle_one(msg), [msg])
+        assert self._processor is not None
+        self._workers.spawn(self._processor.handle_one(msg), [msg])
 
     # ------------------------------------------------------------------ work
-    def _spawn(self, work: Any, msgs: list[Msg]) -> None:
-        task: asyncio.Task[None] = asyncio.create_task(work)
-        self._tasks[task] = msgs
-        self._in_flight.set(self.in_flight)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.pop(task, None)
-        self._in_flight.set(self.in_flight)
-        self._freed.set()
-        if not task.cancelled() and task.exception() is not None:
-            log.error("consumer %s: worker failed", self.durable, exc_info=task.exception())
-
-    def _admit(self, msg: Msg) -> tuple[Delivery, Decision | None]:
-        """A delivery, and a decision when it must not reach the handler."""
-        delivery = Delivery.of(msg, self.durable)
-        self._consumed.inc()
-        if delivery.num_delivered > 1:
-            self._redelivered.inc()
-        if self.decode:
-            try:
-                delivery.envelope = decode(
-                    msg.data, delivery.headers, default_ts=delivery.stored_ts
-                )
-            except MalformedMessage as exc:
-                return delivery, Decision.dead_letter(REASON_MALFORMED, exc)
-        if self.max_deliver is not None and delivery.num_delivered > self.max_deliver:
-            return delivery, Decision.dead_letter(
-                REASON_MAX_DELIVERIES,
-                f"delivered {delivery.num_delivered} times; the limit is {self.max_deliver}",
-            )
-        return delivery, None
-
-    def _decide(self, exc: BaseException, delivery: Delivery) -> Decision:
-        return decide(
-            exc,
-            delivery.num_delivered,
-            max_deliver=self.max_deliver,
-            backoff=self._acker.backoff if self._acker else (),
-            unrecoverable=self.unrecoverable,
-        )
-
-    async def _handle_one(self, msg: Msg) -> None:
-        assert self._acker is not None and self._chain is not None
-        delivery, decision = self._admit(msg)
-        if decision is None:
-            async with self._acker.keep_alive(
-                [msg], self._keepalive_period(delivery.num_delivered)
-            ):
-                try:
-                    decision = await self._chain(delivery) or Decision.ack()
-                except Exception as exc:
-                    decision = self._decide(exc, delivery)
-            if decision.action is Action.NAK and self._last_delivery(delivery):
-                decision = Decision.dead_letter(REASON_MAX_DELIVERIES, "nak on the last delivery")
-        await self._acker.apply(delivery, decision)
-
-    def _last_delivery(self, delivery: Delivery) -> bool:
-        # The server would never act on this nak (its MaxDeliver is reached): it would strand.
-        return self.max_deliver is not None and 0 < self._server_max <= delivery.num_delivered
-
-    async def _handle_batch(self, msgs: list[Msg]) -> None:
-        assert self._acker is not None and self._batch_handler is not None
-        ready: list[Delivery] = []
-        settled: list[tuple[Delivery, Decision]] = []
-        for msg in msgs:
-            delivery, decision = self._admit(msg)
-            if decision is None:
-                ready.append(delivery)
-            else:
-                settled.append((delivery, decision))
-        if ready:
-            longest = max(d.num_delivered for d in ready)
-            start = time.perf_counter()
-            async with self._acker.keep_alive(
-                [d.msg for d in ready], self._keepalive_period(longest)
-            ):
-                try:
-                    async with asyncio.timeout(self._handler_timeout):
-                        decisions = list(await self._batch_handler(ready))
-                    if len(decisions) != len(ready):
-                        raise RuntimeError(
-                            f"batch handler returned {len(decisions)} decisions for {len(ready)} messages"
-                        )
-                except Exception as exc:
-                    log.warning("batch handler failed: %s", exc, extra={"consumer": self.durable})
-                    decisions = [self._decide(exc, d) for d in ready]
-            self._batch_seconds.observe(time.perf_counter() - start)
-            settled += [(d, dec or Decision.ack()) for d, dec in zip(ready, decisions, strict=True)]
-        await asyncio.gather(*(self._acker.apply(d, dec) for d, dec in settled))
-
     async def _nak_quietly(self, msg: Msg) -> None:
         with contextlib.suppress(MsgAlreadyAckdError, Exception):  # lost nak: ack wait redelivers
             await msg.nak()
@@ -541,24 +395,8 @@ class Consumer:
         timeout = self._stop_timeout
         if timeout is None:
             timeout = self.settings.shutdown_timeout
-        if self._tasks:
-            log.info(
-                "consumer %s: waiting up to %.1fs for %d in flight",
-                self.durable,
-                timeout,
-                self.in_flight,
-            )
-            await asyncio.wait(list(self._tasks), timeout=timeout)
-        left = dict(self._tasks)
-        for task, msgs in left.items():
-            for msg in msgs:
-                await self._nak_quietly(msg)
-            task.cancel()
-        if left:
-            log.warning(
-                "consumer %s: nak'ed %d unfinished message(s)",
-                self.durable,
-                sum(map(len, left.values())),
-            )
-            await asyncio.gather(*left, return_exceptions=True)
+        await self._workers.finish(timeout, self._nak_quietly)
         self._stop_timeout = None
+        if self._conn.nc.is_connected:
+            with contextlib.suppress(Exception):  # acks and naks leave before stop() returns
+                await self._conn.nc.flush(timeout=2)

@@ -24,16 +24,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from meshforge.faults import crash_point
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
 
-__all__ = ["FetchResult", "PullSource"]
+__all__ = ["FetchResult", "PullLoop", "PullSource"]
+
+log = logging.getLogger("meshforge.consumer")
 
 Outcome = Literal["messages", "empty", "silent", "error", "stopped"]
 
@@ -43,6 +49,9 @@ _HEARTBEAT = "100"
 _END = {"404", "408"}  # no messages / request expired: the server is alive and idle
 _MISSED_HEARTBEATS = 2
 _SLACK = 0.5
+_IDLE_MIN, _IDLE_MAX = 0.05, 1.0
+_SILENT_REBUILD = 2  # silent requests in a row before the subscription is rebuilt
+_STALL_CHECK = 10.0  # seconds of empty fetches between checks of the pending count
 
 
 @dataclass(slots=True)
@@ -212,3 +221,93 @@ class PullSource:
             with contextlib.suppress(Exception):  # a closed connection has no interest left
                 await sub.unsubscribe()
         return self._drain_local()
+
+
+class PullLoop:
+    """Fetch for free capacity, dispatch, back off when idle, and recover from stalls.
+
+    Between empty fetches it waits 0.05 s doubling to 1 s (a fetch with messages resets
+    it; a long poll that already waited counts toward it). Two silent requests in a row,
+    a 409 "consumer deleted", or ``_STALL_CHECK`` seconds of empty fetches while the
+    server reports pending messages make it rebuild: a fresh inbox, and ``recover()``
+    (which provisions the consumer again when allowed).
+    """
+
+    def __init__(
+        self,
+        source: PullSource,
+        *,
+        stop: asyncio.Event,
+        batch_size: int,
+        wait_free: Callable[[int], Awaitable[bool]],
+        in_flight: Callable[[], int],
+        limit: int,
+        dispatch: Callable[[list[Msg]], None],
+        nak: Callable[[Msg], Awaitable[None]],
+        recover: Callable[[], Awaitable[None]],
+        pending: Callable[[], Awaitable[int | None]],
+        closed: Callable[[], bool],
+    ) -> None:
+        self.source = source
+        self._stop = stop
+        self._batch_size = batch_size
+        self._wait_free = wait_free
+        self._in_flight = in_flight
+        self._limit = limit
+        self._dispatch = dispatch
+        self._nak = nak
+        self._recover = recover
+        self._pending = pending
+        self._closed = closed
+
+    async def run(self) -> None:
+        """Until ``stop`` is set; raises ``ConnectionError`` if the connection closes for good."""
+        idle, silent = _IDLE_MIN, 0
+        idle_since: float | None = None
+        last_check = time.monotonic()
+        while await self._wait_free(self._limit):
+            free = self._limit - self._in_flight()
+            started = time.monotonic()
+            result = await self.source.fetch(min(self._batch_size, free), self._stop)
+            for msg in result.surplus:
+                await self._nak(msg)
+            if result.messages:
+                crash_point("after_fetch")
+                idle, silent, idle_since = _IDLE_MIN, 0, None
+                self._dispatch(result.messages)
+                continue
+            if result.outcome == "stopped":
+                return
+            if self._closed():
+                raise ConnectionError("the NATS connection is closed")
+            if result.outcome == "silent":
+                silent += 1
+                if silent >= _SILENT_REBUILD:
+                    await self.rebuild(f"{silent} pull requests in a row went unanswered")
+                    silent = 0
+            elif result.outcome == "error":
+                log.warning("pull %s: %s", self.source.durable, result.detail)
+                if result.status == "409" and "deleted" in result.detail.lower():
+                    await self.rebuild(result.detail)
+            else:
+                silent = 0
+                idle_since = idle_since or started
+                if time.monotonic() - max(idle_since, last_check) >= _STALL_CHECK:
+                    last_check = time.monotonic()
+                    pending = await self._pending()
+                    if pending:
+                        await self.rebuild(f"{pending} messages pending but fetches return none")
+            await self._sleep(idle - (time.monotonic() - started))
+            idle = min(idle * 2, _IDLE_MAX)
+
+    async def rebuild(self, why: str) -> None:
+        """A fresh inbox; messages left in the old one are nak'ed; then ``recover()``."""
+        log.warning("consumer %s: %s; rebuilding the pull subscription", self.source.durable, why)
+        for msg in await self.source.rebuild():
+            await self._nak(msg)
+        await self._recover()
+
+    async def _sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), seconds)

@@ -76,7 +76,9 @@ async def test_concurrency_bound_and_no_fetch_beyond_capacity(
         assert d.envelope is not None
         done.append(d.envelope.payload["n"])
 
-    consumer = Consumer(conn, spec, handler=handle, settings=s, metrics=metrics)
+    # ack_sync: an ack is processed by the server before the next fetch, so the server's
+    # count of unacknowledged messages is exact (plain acks are applied asynchronously).
+    consumer = Consumer(conn, spec, handler=handle, settings=s, metrics=metrics, ack_sync=True)
     await provision_all(js, s, spec)
     await publish_envelopes(js, subject_for(agent), 30)
     async with sampling_ack_pending(js, spec.durable) as samples, running(consumer):
@@ -107,7 +109,9 @@ async def test_batch_handler_gets_one_fetch_at_a_time_and_is_kept_alive(
     await provision_all(js, s, spec)
     await publish_envelopes(js, subject_for(agent), 10)
     await js.publish(subject_for(agent), b"not json")  # dead-lettered, never in a batch
-    consumer = Consumer(conn, spec, batch_handler=handle_batch, settings=s, metrics=metrics)
+    consumer = Consumer(
+        conn, spec, batch_handler=handle_batch, settings=s, metrics=metrics, ack_sync=True
+    )
     async with sampling_ack_pending(js, spec.durable) as samples, running(consumer):
         await wait_until(lambda: sum(map(len, batches)) == 10, timeout=20)
         await wait_until(lambda: counter_value(metrics.acked, consumer=spec.durable) == 11)
@@ -284,9 +288,14 @@ async def test_stop_finishes_in_flight_work_then_returns(
     await asyncio.wait_for(task, 5)
     assert len(finished) == 4
     assert counter_value(metrics.acked, consumer=spec.durable) == 4
-    info = await js.consumer_info(STREAM_COMMANDS, spec.durable)
-    assert info.num_ack_pending == 0 and (info.num_pending or 0) == 0
+    assert counter_value(metrics.naked, consumer=spec.durable) == 0
     assert not consumer.ready.is_set()
+
+    async def settled() -> bool:
+        info = await js.consumer_info(STREAM_COMMANDS, spec.durable)
+        return info.num_ack_pending == 0 and (info.num_pending or 0) == 0
+
+    await wait_until(settled, timeout=5, what="the acks to be applied")
 
 
 async def test_stop_naks_what_cannot_finish_so_it_comes_back_promptly(
