@@ -43,6 +43,8 @@ __all__ = ["Limits", "Processor", "Workers"]
 
 log = logging.getLogger("meshforge.consumer")
 
+_CANCEL_GRACE = 5.0  # seconds a cancelled handler gets to unwind at shutdown
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
@@ -242,5 +244,6 @@ class Workers:
             task.cancel()
         if left:
             log.warning("consumer %s: nak'ed %d unfinished message(s)", self.consumer, count)
-            await asyncio.gather(*left, return_exceptions=True)
+            # Bounded: a handler that swallows its cancellation must not hold up the stop.
+            await asyncio.wait(list(left), timeout=_CANCEL_GRACE)
         return count

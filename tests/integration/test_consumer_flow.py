@@ -41,9 +41,12 @@ async def conn(nats_url: str, js: JetStreamContext) -> AsyncIterator[Connection]
 async def sampling_ack_pending(js: JetStreamContext, durable: str) -> AsyncIterator[list[int]]:
     """Sample the server's num_ack_pending for the consumer until the block ends."""
     samples: list[int] = []
+    done = asyncio.Event()
 
     async def sample() -> None:
-        while True:
+        # A flag, not cancellation: Python 3.11's wait_for (inside nats-py requests) can
+        # swallow a cancel that races with the reply.
+        while not done.is_set():
             info = await js.consumer_info(STREAM_COMMANDS, durable)
             samples.append(info.num_ack_pending or 0)
             await asyncio.sleep(0.02)  # sampling period
@@ -52,9 +55,8 @@ async def sampling_ack_pending(js: JetStreamContext, durable: str) -> AsyncItera
     try:
         yield samples
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        done.set()
+        await asyncio.wait_for(task, 10)
 
 
 async def test_concurrency_bound_and_no_fetch_beyond_capacity(
