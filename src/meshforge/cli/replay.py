@@ -32,9 +32,12 @@ def replay(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Read the agent's events in order, print how many there are and the state hash
-    (SHA-256 over a canonical encoding of the events). With MODULE:AGENT the events are
-    folded into state and compared with the stored snapshots; a mismatch exits 1."""
+    """Print an agent's event count and state hash, rebuilt from its event log.
+
+    The state hash is SHA-256 over a canonical encoding of the events. With MODULE:AGENT
+    the events are also folded into state and compared with the stored snapshots; a
+    mismatch exits 1.
+    """
     from meshforge.config import load_settings
     from meshforge.runtime.agent import Agent
     from meshforge.runtime.replay import replay as run_replay

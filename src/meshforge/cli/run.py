@@ -42,8 +42,11 @@ def run(
     ] = None,
     nats_url: NatsUrl = None,
 ) -> None:
-    """Run one or more agents until SIGINT/SIGTERM. Shutdown is graceful: fetching stops,
-    in-flight commands finish (or go back to the stream), nothing is lost."""
+    """Run one or more agents until SIGINT/SIGTERM.
+
+    Shutdown is graceful: fetching stops, in-flight commands finish (or go back to the
+    stream), nothing is lost.
+    """
     from meshforge.config import load_settings
     from meshforge.observability import configure_logging
     from meshforge.runtime.worker import import_from_cwd, load_agent
