@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -152,10 +153,13 @@ class SyncNats:
         self.conn = conn
         self._loop = asyncio.new_event_loop()
         self._nc: NATS | None = None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         try:
             self._nc = self.run(self._connect())
         except BaseException:
             self._loop.close()
+            if self._thread is not None:
+                self._thread.shutdown()
             raise
 
     async def _connect(self) -> NATS:
@@ -194,8 +198,18 @@ class SyncNats:
         self._nc = self.run(self._connect())
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` to completion on this client's loop."""
-        return self._loop.run_until_complete(coro)
+        """Run ``coro`` to completion on this client's loop.
+
+        Called from inside a running event loop (a notebook, an async caller), the
+        private loop is driven from a helper thread instead, as one loop per thread needs.
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._loop.run_until_complete(coro)
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshforge-nats")
+        return self._thread.submit(self._loop.run_until_complete, coro).result()
 
     async def api(self, subject: str, payload: Mapping[str, Any] | None = None, wait: float = 5.0) -> dict[str, Any]:
         """A JetStream API request; raises JetStreamApiError on an error answer."""
@@ -266,6 +280,9 @@ class SyncNats:
                     self.run(nc.close())
         finally:
             self._loop.close()
+            if self._thread is not None:
+                self._thread.shutdown()
+                self._thread = None
 
     def __enter__(self) -> Self:
         return self

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ def spark_session(
     import meshforge.spark
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    warnings.filterwarnings("ignore", message="PySpark does not yet fully support pandas")
     builder = SparkSession.builder.appName(app_name)
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # launched by spark-submit
     if master or not submitted:
@@ -107,8 +109,12 @@ def ingest(
     (default ``<output>/_checkpoint``) makes it resumable and, with Spark's file sink,
     exactly once however often it is stopped and started again.
     """
+    from meshforge.spark.nats_sync import ConnOptions, SyncNats
+
     output = str(output)
     checkpoint = str(checkpoint or Path(output) / "_checkpoint")
+    with SyncNats(ConnOptions.from_options(_reader_options(servers, stream, options))) as client:
+        client.stream_info(stream)  # a missing stream is one clear line, not a Spark trace
     read_opts = {"startingOffsets": "earliest", "envelope": "true", **_reader_options(servers, stream, options)}
     if max_messages_per_trigger:
         read_opts["maxMessagesPerTrigger"] = str(max_messages_per_trigger)
