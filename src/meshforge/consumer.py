@@ -171,6 +171,7 @@ class Consumer:
         self._processor: Processor | None = None
         self._source: PullSource | None = None
         self._push_sub: Subscription | None = None
+        self._signal_tasks: set[asyncio.Future[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -210,8 +211,14 @@ class Consumer:
     def install_signal_handlers(self) -> None:
         """Make SIGINT and SIGTERM call ``stop()`` (on the running event loop)."""
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            task = asyncio.ensure_future(self.stop())
+            self._signal_tasks.add(task)  # a strong reference until it is done
+            task.add_done_callback(self._signal_tasks.discard)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
+            loop.add_signal_handler(sig, on_signal)
 
     # ------------------------------------------------------------------ setup
     def _get_publisher(self) -> Publisher:
