@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,34 @@ def test_sink_refuses_rows_it_cannot_publish(spark: SparkSession, nats_url: str)
     bad = spark.createDataFrame([("bad subject", "x")], "subject string, payload string")
     with pytest.raises(Exception, match="invalid subject 'bad subject'"):
         bad.write.format("jetstream").mode("append").option("servers", nats_url).save()
+
+
+async def test_replay_dry_run_then_twice_with_a_rate(
+    spark: SparkSession, nats_url: str, js: JetStreamContext, stream: str, tmp_path: Path
+) -> None:
+    from meshforge.envelope import Envelope
+    from meshforge.spark.pipelines import ingest, replay
+
+    base = stream.lower()
+    sent = [Envelope.new("order.created", {"n": i}) for i in range(20)]
+    for env in sent:
+        await js.publish(f"{base}.orig", env.encode(), headers=env.headers())
+    landed = ingest(spark, nats_url, stream, tmp_path / "t")
+    assert landed.rows == 20
+    target = f"{stream}_R"
+    await js.add_stream(name=target, subjects=[f"{target.lower()}.>"])
+    try:
+        dry = replay(spark, str(tmp_path / "t"), f"{target.lower()}.again", None, dry_run=True)
+        assert (dry.rows, dry.stored, len(dry.sample)) == (20, 0, 10)
+        assert dry.sample[0]["msg_id"] == sent[0].id  # stored order, envelope ids kept
+        assert (await js.stream_info(target)).state.messages == 0
+        started = time.monotonic()
+        first = replay(spark, str(tmp_path / "t"), f"{target.lower()}.again", nats_url, rate=200)
+        assert time.monotonic() - started >= 0.09  # 20 rows at 200/s
+        second = replay(spark, str(tmp_path / "t"), f"{target.lower()}.again", nats_url, where="type = 'order.created'")
+        assert (first.rows, first.stored, first.duplicates) == (20, 20, 0)
+        assert (second.rows, second.stored, second.duplicates) == (20, 0, 20)
+        msg = await js.get_msg(target, 1)
+        assert msg.headers is not None and msg.headers["Nats-Msg-Id"] == sent[0].id
+    finally:
+        await js.delete_stream(target)
