@@ -188,24 +188,26 @@ class Workers:
         self.consumer = consumer
         self._stop = stop
         self._tasks: dict[asyncio.Task[None], list[Msg]] = {}
+        self._held = 0  # messages in self._tasks, kept as a count: read on every fetch
         self._freed = asyncio.Event()
         self._gauge = metrics.in_flight.labels(consumer=consumer)
 
     @property
     def in_flight(self) -> int:
         """Messages held now (being handled or waiting for their decision to be sent)."""
-        return sum(len(msgs) for msgs in self._tasks.values())
+        return self._held
 
     def spawn(self, work: Coroutine[Any, Any, None], msgs: list[Msg]) -> None:
         """Run ``work`` for ``msgs`` in a task; they count as in flight until it ends."""
         task = asyncio.create_task(work)
         self._tasks[task] = msgs
-        self._gauge.set(self.in_flight)
+        self._held += len(msgs)
+        self._gauge.set(self._held)
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.pop(task, None)
-        self._gauge.set(self.in_flight)
+        self._held -= len(self._tasks.pop(task, ()))
+        self._gauge.set(self._held)
         self._freed.set()
         if not task.cancelled() and task.exception() is not None:
             log.error("consumer %s: worker failed", self.consumer, exc_info=task.exception())

@@ -40,7 +40,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from meshforge.envelope import parse_traceparent
+from meshforge.envelope import format_traceparent, parse_traceparent
 
 __all__ = [
     "HttpEndpoint",
@@ -157,6 +157,8 @@ def inject_trace(headers: MutableMapping[str, str]) -> MutableMapping[str, str]:
     propagate.inject(carrier)
     if parse_traceparent(carrier.get("traceparent")):
         headers.update(carrier)
+    elif (bound := _bound_trace.get()) is not None:
+        headers["traceparent"] = format_traceparent(*bound)
     return headers
 
 
@@ -174,6 +176,13 @@ def consumer_span(
         with consumer_span("cmd.default.demo.order.create process", msg.headers):
             await handler(delivery)
     """
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        # No SDK installed: a span would record nothing, so only bind the ids for logs.
+        value = next((v for k, v in (headers or {}).items() if k.lower() == "traceparent"), None)
+        ids = parse_traceparent(value)
+        with bind_trace(*(ids or (None, None))):
+            yield trace.INVALID_SPAN
+        return
     tracer = trace.get_tracer(_TRACER_NAME)
     with tracer.start_as_current_span(
         name,
