@@ -21,6 +21,7 @@ Write options: see :mod:`meshforge.spark.writer`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -57,6 +58,8 @@ from meshforge.spark.schema import arrow_schema, row_schema, to_record_batch
 __all__ = ["JetStreamDataSource"]
 
 log = logging.getLogger("meshforge.spark")
+
+_IDLE = 60.0  # seconds a driver-side connection may sit unused before it is renewed
 
 
 def _read_partition(conn: ConnOptions, opts: ReadOptions, schema: StructType, part: SeqRange) -> Iterator[pa.RecordBatch]:
@@ -143,6 +146,7 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self.opts = ReadOptions.from_options(options)
         self.schema = schema
         self._client: SyncNats | None = None
+        self._used = 0.0
         self._target: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -151,18 +155,24 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         return state
 
     def _info(self) -> tuple[StreamInfo, SyncNats]:
+        # the loop only runs during calls, so an idle connection may have been dropped
+        # by the server's pings: reconnect after a pause, and once more on failure
+        if self._client is not None and (not self._client.connected or time.monotonic() - self._used > _IDLE):
+            self._client.close()
+            self._client = None
         for attempt in (1, 2):
-            if self._client is None or not self._client.connected:
-                if self._client is not None:
-                    self._client.close()
+            if self._client is None:
                 self._client = SyncNats(self.conn)
             try:
-                return self._client.stream_info(self.opts.stream), self._client
+                info = self._client.stream_info(self.opts.stream)
             except ConnectionFailed:
-                if attempt == 2:
-                    raise
                 self._client.close()
                 self._client = None
+                if attempt == 2:
+                    raise
+                continue
+            self._used = time.monotonic()
+            return info, self._client
         raise AssertionError("unreachable")
 
     def _offset(self, seq: int) -> dict[str, int]:
