@@ -144,3 +144,32 @@ async def test_audit_passes_on_clean_data_and_catches_planted_faults(
     assert "Exactly-once VIOLATED" in html and commands[2].id in html and "<svg" in html
     assert "http://" not in html and "https://" not in html
     scenario.store.close()
+
+
+def test_store_source_reads_every_table(spark: SparkSession, tmp_path: Path) -> None:
+    from meshforge.store import NewEvent
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    scenario = Scenario(url)
+    cmd = scenario.processed(deliveries=2)
+    with scenario.store.transaction() as tx:
+        for agent, n in (("order", 3), ("inventory", 2)):
+            tx.events_append(agent, [NewEvent(f"{agent}-{i}", f"{agent}.x", None, cmd.id, cmd.key, b"{}", "t") for i in range(n)])
+    scenario.store.close()
+
+    def table(name: str):  # type: ignore[no-untyped-def]
+        return spark.read.format("meshforge_store").option("url", url).option("table", name).load()
+
+    events = table("events")
+    assert events.rdd.getNumPartitions() == 2  # one per agent
+    assert sorted((r.agent, r.position) for r in events.collect()) == [
+        ("inventory", 1), ("inventory", 2), ("order", 1), ("order", 2), ("order", 3),
+    ]  # fmt: skip
+    effect = table("effects").collect()[0]
+    assert (effect.command_id, effect.outputs, effect.published_at is not None) == (cmd.id, 1, True)
+    output = table("outputs").collect()[0]
+    assert output.subject == EVT_SUBJECT and output.headers["Causation-Id"] == cmd.id
+    inbox = table("inbox").collect()[0]
+    assert (inbox.message_id, inbox.status, inbox.deliveries) == (cmd.id, "processed", 2)
+    with pytest.raises(Exception, match="no store at sqlite:///"):
+        spark.read.format("meshforge_store").option("url", "sqlite:///nowhere/x.db").option("table", "inbox").load().count()
