@@ -20,10 +20,7 @@ __all__ = ["register"]
 def register(spark: SparkSession) -> None:
     """Register the ``jetstream`` and ``meshforge_store`` data sources with ``spark``."""
     from meshforge.spark.source import JetStreamDataSource
+    from meshforge.spark.store_source import StoreDataSource
 
     spark.dataSource.register(JetStreamDataSource)
-    try:
-        from meshforge.spark.store_source import StoreDataSource
-    except ImportError:  # the store package is optional for reading streams
-        return
     spark.dataSource.register(StoreDataSource)

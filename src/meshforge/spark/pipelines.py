@@ -237,6 +237,10 @@ def audit(
     assert events_df is not None
     failed_df = _table(spark, failed, servers, "failed")
     commands_df = _table(spark, commands, servers, "commands")
+    if store_url:
+        from meshforge.spark.store_source import check_options
+
+        check_options({"url": store_url, "table": "effects"})  # a missing store: one line, here
     store = StoreTables.load(spark, store_url) if store_url else None
     step(1, "computing findings")
     findings = compute(spark, events_df, failed=failed_df, store=store, commands=commands_df)

@@ -26,7 +26,7 @@ from meshforge.spark.nats_sync import lower_keys
 if TYPE_CHECKING:
     from meshforge.store import Store
 
-__all__ = ["TABLES", "StoreDataSource"]
+__all__ = ["TABLES", "StoreDataSource", "check_options"]
 
 _TS = "timestamp"
 _HEADERS = "map<string,string>"
@@ -49,7 +49,8 @@ TABLES: dict[str, str] = {
 }
 
 
-def _check(options: dict[str, str]) -> tuple[str, str]:
+def check_options(options: dict[str, str]) -> tuple[str, str]:
+    """The store URL and table name, validated; ConfigError naming the problem."""
     url = options.get("url") or ""
     if not url:
         raise ConfigError("meshforge_store: option 'url' is required (sqlite:///... or postgresql://...)")
@@ -79,7 +80,7 @@ class StoreDataSource(DataSource):
 
 class StoreReader(DataSourceReader):
     def __init__(self, options: dict[str, str]) -> None:
-        self.url, self.table = _check(options)
+        self.url, self.table = check_options(options)
 
     def partitions(self) -> Sequence[InputPartition]:
         if self.table != "events":
