@@ -174,6 +174,11 @@ def test_meshforge_demo_tells_the_whole_story(tmp_path: Path) -> None:
     assert rows["duplicate effects"] == "0" and rows["lost commands"] == "0"
     assert rows["order state hash after replay"].endswith("✅")
     assert (tmp_path / ".meshforge" / "demo" / "store.db").exists()
+    # The story ends with the Spark ingest and audit over this run's events.
+    assert "audit: exactly-once holds over what landed" in text, text[-3000:]
+    assert rows["duplicate effects"] == "0"
+    report = tmp_path / ".meshforge" / "demo" / "pipeline" / "report" / "audit.html"
+    assert report.exists() and "audit.html" in text
 
 
 def test_no_provision_fails_clearly_when_topology_is_missing(private_server: EmbeddedServer, tmp_path: Path) -> None:

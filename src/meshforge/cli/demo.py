@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -49,6 +50,7 @@ def demo(
         float, typer.Option("--kill-at", min=0.01, max=0.99, help="Kill the order agent at this share.")
     ] = 0.3,
     timeout: Annotated[float, typer.Option("--timeout", min=5, help="Seconds to wait for processing.")] = 240.0,
+    report: Annotated[bool, typer.Option("--report/--no-report", help="End with the Spark ingest and audit.")] = True,
     nats_url: NatsUrl = None,
 ) -> None:
     """Run the whole story: provision, agents, smoke test, load with a SIGKILL, audit, replay."""
@@ -58,24 +60,82 @@ def demo(
     work.mkdir(parents=True, exist_ok=True)
     store_url = f"sqlite:///{work / 'store.db'}"  # one file for both agents (SQLite WAL)
     with nats_target(nats_url) as url:
+        start = asyncio.run(_next_seqs(url))
         ok = asyncio.run(_story(console, url, store_url, work, orders, kill_at, timeout))
-        run_pipeline_report(url, store_url, work, console)
+        if report:
+            ok = run_pipeline_report(url, store_url, work, console, start) is not False and ok
     if not ok:
         raise typer.Exit(1)
 
 
-def run_pipeline_report(nats_url: str, store_url: str, work: Path, console: Console) -> Path | None:
-    """Hook for the Spark report over the demo's run: ingest MESHFORGE_EVENTS (and the dead
-    letters) into Parquet under ``work``, audit them against the store at ``store_url``,
-    and return the report's path.
-
-    A no-op (returns None) while ``meshforge.spark.pipelines`` is not available.
+def run_pipeline_report(
+    nats_url: str, store_url: str, work: Path, console: Console, start: dict[str, int] | None = None
+) -> bool | None:
+    """The Spark report over the demo's run: land MESHFORGE_EVENTS and MESHFORGE_FAILED
+    (from the sequences in ``start`` on, so earlier runs on the same server are left out)
+    in Parquet under ``work/pipeline``, audit them against the store at ``store_url``, and
+    print where the report is. Returns the audit's verdict, or None when Spark or Java is
+    not available (the report is then skipped with a one-line note).
     """
     try:
-        importlib.import_module("meshforge.spark.pipelines")
+        pipelines = importlib.import_module("meshforge.spark.pipelines")
     except ImportError:
+        console.print("[yellow]Spark report skipped: install meshforge[spark] for the pipeline[/]")
         return None
-    return None
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        console.print("[yellow]Spark report skipped: Java 17+ not found[/]")
+        return None
+    from meshforge.cli.pipeline import print_summary, table_name
+
+    console.rule("[bold]Spark pipeline: ingest and audit")
+    out = work / "pipeline"
+    spark = pipelines.spark_session(None, conf={"spark.ui.enabled": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        tables: dict[str, str] = {}
+        for stream in ("MESHFORGE_EVENTS", "MESHFORGE_FAILED"):
+            first = (start or {}).get(stream, 1)
+            options = {"startingOffsets": json.dumps({stream: first})}
+            target = out / table_name(stream)
+            result = pipelines.ingest(spark, nats_url, stream, target, options=options)
+            console.print(f"ingest {stream}: {result.rows} rows -> {target}")
+            if result.rows:
+                tables[stream] = str(target)
+        verdict = pipelines.audit(
+            spark,
+            tables["MESHFORGE_EVENTS"],
+            out / "report",
+            failed=tables.get("MESHFORGE_FAILED"),
+            store_url=store_url,
+        )
+    finally:
+        spark.stop()
+    print_summary(verdict.findings)
+    console.print(f"report: {verdict.html_path}")
+    if verdict.ok:
+        console.print("[green]audit: exactly-once holds over what landed[/]")
+    else:
+        console.print("[red]audit: exactly-once VIOLATED (see the report)[/]")
+    return bool(verdict.ok)
+
+
+async def _next_seqs(url: str) -> dict[str, int]:
+    """The sequence the next message of the events and dead-letter streams will get."""
+    import nats
+    from nats.js.errors import NotFoundError
+
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        seqs: dict[str, int] = {}
+        for stream in ("MESHFORGE_EVENTS", "MESHFORGE_FAILED"):
+            try:
+                seqs[stream] = int((await js.stream_info(stream)).state.last_seq) + 1
+            except NotFoundError:
+                seqs[stream] = 1
+        return seqs
+    finally:
+        await nc.close()
 
 
 @dataclass

@@ -186,7 +186,7 @@ def audit(
             failed=str(failed) if failed.exists() else None, store_url=store_url or None,
             commands=str(commands) if commands else None, progress=progress,
         )  # fmt: skip
-    _print_summary(result.findings)
+    print_summary(result.findings)
     typer.echo(f"report: {result.html_path}")
     if not result.ok:
         typer.secho("exactly-once VIOLATED (see the report)", err=True, fg=typer.colors.RED)
@@ -194,7 +194,7 @@ def audit(
     typer.secho("exactly-once holds", fg=typer.colors.GREEN)
 
 
-def _print_summary(findings: dict[str, object]) -> None:
+def print_summary(findings: dict[str, object]) -> None:
     from rich.console import Console
     from rich.table import Table
 
