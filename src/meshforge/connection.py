@@ -57,21 +57,27 @@ def redact_url(url: str) -> str:
     return ",".join(parts)
 
 
-def tls_context(settings: Settings) -> ssl.SSLContext | None:
-    """An SSL context from ``tls_ca`` / ``tls_cert`` + ``tls_key``, or None when none is set."""
-    if not (settings.tls_ca or settings.tls_cert):
+def ssl_context(
+    ca: str | None, cert: str | None, key: str | None, *, label: str = "tls"
+) -> ssl.SSLContext | None:
+    """A client SSL context trusting ``ca`` and presenting ``cert`` + ``key``; None when neither is set."""
+    if not (ca or cert):
         return None
-    for name in ("tls_ca", "tls_cert", "tls_key"):
-        path = getattr(settings, name)
+    for name, path in (("tls_ca", ca), ("tls_cert", cert), ("tls_key", key)):
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{name}: expected a readable file, got {path!r}")
     try:
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=settings.tls_ca)
-        if settings.tls_cert:
-            context.load_cert_chain(settings.tls_cert, settings.tls_key)
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+        if cert:
+            context.load_cert_chain(cert, key)
     except (ssl.SSLError, OSError) as exc:
-        raise ConfigError(f"tls: cannot load certificates: {one_line(exc, 300)}") from None
+        raise ConfigError(f"{label}: cannot load certificates: {one_line(exc, 300)}") from None
     return context
+
+
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """An SSL context from ``tls_ca`` / ``tls_cert`` + ``tls_key``, or None when none is set."""
+    return ssl_context(settings.tls_ca, settings.tls_cert, settings.tls_key)
 
 
 def _auth_options(settings: Settings) -> dict[str, Any]:

@@ -23,6 +23,16 @@ NatsUrl = Annotated[
     ),
 ]
 
+StoreUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--store",
+        envvar="MESHFORGE_STORE_URL",
+        help="sqlite:///path (default ./.meshforge/store.db) or postgresql://...",
+        show_default=False,
+    ),
+]
+
 HOME = Path(os.environ.get("MESHFORGE_HOME", ".meshforge"))
 SERVER_FILE = "server.json"
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from meshforge.cli.common import NatsUrl, nats_target
+from meshforge.cli.common import NatsUrl, StoreUrl, nats_target
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
@@ -26,15 +26,7 @@ def node(
     spec: Annotated[
         str, typer.Argument(metavar="MODULE:NODE", help="The Node class to run.")
     ] = DEFAULT_NODE,
-    store: Annotated[
-        str | None,
-        typer.Option(
-            "--store",
-            envvar="MESHFORGE_STORE_URL",
-            help="sqlite:///path (default ./.meshforge/store.db) or postgresql://...",
-            show_default=False,
-        ),
-    ] = None,
+    store: StoreUrl = None,
     presence_interval: Annotated[
         float, typer.Option(min=0.1, help="Seconds between presence announcements.")
     ] = 10.0,

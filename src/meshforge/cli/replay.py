@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from meshforge.cli.common import StoreUrl
+
 
 def register(app: typer.Typer) -> None:
     app.command("replay")(replay)
@@ -21,15 +23,7 @@ def replay(
             " and compare it with the stored snapshots).",
         ),
     ],
-    store: Annotated[
-        str | None,
-        typer.Option(
-            "--store",
-            envvar="MESHFORGE_STORE_URL",
-            help="sqlite:///path (default ./.meshforge/store.db) or postgresql://...",
-            show_default=False,
-        ),
-    ] = None,
+    store: StoreUrl = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Print an agent's event count and state hash, rebuilt from its event log.

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from meshforge.cli.common import NatsUrl, nats_target
+from meshforge.cli.common import NatsUrl, StoreUrl, nats_target
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
@@ -23,15 +23,7 @@ def run(
         list[str],
         typer.Argument(metavar="MODULE:AGENT...", help="Agents to run, e.g. meshforge.demo:OrderAgent."),
     ],
-    store: Annotated[
-        str | None,
-        typer.Option(
-            "--store",
-            envvar="MESHFORGE_STORE_URL",
-            help="sqlite:///path (default ./.meshforge/store.db) or postgresql://...",
-            show_default=False,
-        ),
-    ] = None,
+    store: StoreUrl = None,
     no_provision: Annotated[
         bool,
         typer.Option("--no-provision", help="Use existing streams and consumers; fail if missing."),

@@ -76,7 +76,7 @@ def _counted(df: DataFrame, order: list[str], limit: int = _MAX_LISTED) -> tuple
 
 
 def _duplicate_effects(events: DataFrame, store: StoreTables | None) -> tuple[int, list[dict[str, Any]]]:
-    position = F.udf(_position, IntegerType())
+    position = F.udf(_position, IntegerType(), useArrow=False)
     caused = (
         events.where(F.col("causation_id").isNotNull() & F.col("id").isNotNull())
         .select("causation_id", "type", "id", "subject")

@@ -18,7 +18,6 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import ssl
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -28,6 +27,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from meshforge.connection import ssl_context
 from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology, one_line
 
 __all__ = ["ConnOptions", "JetStreamApiError", "StreamInfo", "SyncNats", "lower_keys"]
@@ -112,13 +112,8 @@ class ConnOptions:
             kwargs["token"] = self.token
         if self.creds is not None:
             kwargs["user_credentials"] = self.creds
-        if self.tls_ca or self.tls_cert:
-            try:
-                context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
-                if self.tls_cert:
-                    context.load_cert_chain(self.tls_cert, self.tls_key)
-            except (ssl.SSLError, OSError) as exc:
-                raise ConfigError(f"jetstream: cannot load TLS files: {one_line(exc, 300)}") from None
+        context = ssl_context(self.tls_ca, self.tls_cert, self.tls_key, label="jetstream")
+        if context is not None:
             kwargs["tls"] = context
         return kwargs
 

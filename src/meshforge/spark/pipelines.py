@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +55,6 @@ def spark_session(
     import meshforge.spark
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    warnings.filterwarnings("ignore", message="PySpark does not yet fully support pandas")
     builder = SparkSession.builder.appName(app_name)
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # launched by spark-submit
     if master or not submitted:
