@@ -48,7 +48,8 @@ async def test_spark_submit_ingest_then_audit_exit_code(
     event = Envelope.new("order.create", {"sku": "A"}).child("order.created", {"n": 1}, position=0)
     await _publish(url, [event], create=True)
     spark_submit = Path(sys.executable).parent / "spark-submit"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "MESHFORGE_HOME": str(tmp_path / "home")}
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "MESHFORGE_HOME": str(tmp_path / "home"),
+           "SPARK_LOCAL_IP": "127.0.0.1"}  # fmt: skip
     env.pop("PYSPARK_GATEWAY_PORT", None)
     done = subprocess.run(  # noqa: ASYNC221 - the test waits for spark-submit on purpose
         [str(spark_submit), "--master", "local[2]", "--conf", "spark.ui.enabled=false",

@@ -59,7 +59,12 @@ def spark_session(
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # launched by spark-submit
     if master or not submitted:
         builder = builder.master(master or "local[*]")
+    local = not submitted and (master or "local").startswith("local")
+    if local:
+        # Local mode talks to itself only: keep the driver on loopback, not the host's address.
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     settings = {
+        **({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"} if local else {}),
         "spark.sql.session.timeZone": "UTC",
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.shuffle.partitions": "8",
