@@ -86,21 +86,21 @@ def ls(
         console.print("no dead letters")
         return
     table = Table(title=f"dead letters ({len(found)} of {total}); `dlq show ID` for the rest")
-    # Only the error wraps; the rest stay whole on one line when the terminal allows.
-    table.add_column("ID", no_wrap=True)
-    table.add_column("Original subject", no_wrap=True, overflow="fold")
+    # Short columns stay whole; subject and error fold so a narrow terminal still shows both.
+    table.add_column("ID", no_wrap=True, justify="right")
     table.add_column("Reason", no_wrap=True)
     table.add_column("Del.", no_wrap=True, justify="right")
-    table.add_column("Error", overflow="fold", ratio=1, min_width=24)
-    table.add_column("Dead-lettered (UTC)", no_wrap=True)
+    table.add_column("Original subject", overflow="fold", ratio=1, min_width=12)
+    table.add_column("Error", overflow="fold", ratio=2, min_width=14)
+    table.add_column("When (UTC)", no_wrap=True)
     for letter in found:
         table.add_row(
             str(letter.seq),
-            letter.original_subject,
             letter.reason,
             "" if letter.deliveries is None else str(letter.deliveries),
+            letter.original_subject,
             _short(letter.error, 100),
-            letter.timestamp[:19].replace("T", " "),
+            letter.timestamp[5:19].replace("T", " "),
         )
     console.print(table)
 
