@@ -204,7 +204,8 @@ def print_summary(findings: dict[str, object]) -> None:
     assert isinstance(counts, dict) and isinstance(latency, dict) and isinstance(dead, dict)
     table = Table(title="audit", show_header=False)
     rows = [
-        ("events", counts.get("events")), ("commands", counts.get("commands")),
+        ("events", counts.get("events")), ("effects in the store", counts.get("effects")),
+        ("commands landed", counts.get("commands")),
         ("duplicate effects", counts.get("duplicate_effects")), ("missing effects", counts.get("missing_effects")),
         ("lost outputs", counts.get("lost_outputs")), ("dead letters", dead.get("total")),
         ("latency p50 / p99 ms", f"{latency.get('p50', '-')} / {latency.get('p99', '-')}"),
