@@ -96,7 +96,7 @@ def hbars_svg(counts: dict[str, int], title: str) -> str:
     height = 26 * len(items) + 10
     rows = []
     for i, (name, value) in enumerate(items):
-        w = value / top * (_W - 220)
+        w = value / top * (_W - 270)  # room after the longest bar for its count
         y = 6 + i * 26
         rows.append(
             f'<text x="4" y="{y + 15}" font-size="12">{_e(name)[:28]}</text>'
@@ -140,7 +140,8 @@ def render_html(findings: dict[str, Any]) -> str:
     dl = findings.get("dead_letters", {})
     v = findings.get("violations", {})
     kpis = [
-        ("events", c.get("events"), False), ("commands", c.get("commands"), False),
+        ("events", c.get("events"), False), ("effects in the store", c.get("effects"), False),
+        ("commands landed", c.get("commands"), False),
         ("duplicate effects", c.get("duplicate_effects"), bool(c.get("duplicate_effects"))),
         ("missing effects", c.get("missing_effects"), bool(c.get("missing_effects"))),
         ("lost outputs", c.get("lost_outputs"), bool(c.get("lost_outputs"))),
