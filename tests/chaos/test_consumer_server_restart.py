@@ -12,7 +12,7 @@ import asyncio
 import time
 
 import pytest
-from consumer_chaos import settings, wait_until
+from consumer_chaos import settings
 
 from meshforge.connection import connect
 from meshforge.consumer import Consumer, Delivery
@@ -21,6 +21,7 @@ from meshforge.observability import Metrics
 from meshforge.publisher import Publisher
 from meshforge.server import EmbeddedServer
 from meshforge.topology import agent_consumer, default_streams, ensure
+from polling import wait_until
 
 pytestmark = pytest.mark.slow
 

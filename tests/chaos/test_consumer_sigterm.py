@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-from consumer_chaos import settings, wait_until
+from consumer_chaos import settings
 from nats.js import JetStreamContext
 
 from meshforge.envelope import Envelope
 from meshforge.subjects import STREAM_COMMANDS
 from meshforge.topology import agent_consumer, default_streams, ensure
+from polling import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from nats.js import JetStreamContext
@@ -19,6 +18,7 @@ from meshforge.consumer import Consumer
 from meshforge.envelope import Envelope
 from meshforge.subjects import STREAM_FAILED
 from meshforge.topology import ConsumerSpec, agent_consumer, default_streams, ensure
+from polling import wait_until
 
 
 def settings(**values: object) -> Settings:
@@ -45,26 +45,6 @@ async def publish_envelopes(
     for env in envs:
         await js.publish(subject, env.encode(), headers=env.headers())
     return envs
-
-
-async def wait_until(
-    check: Callable[[], bool | Awaitable[bool]],
-    timeout: float = 10.0,  # noqa: ASYNC109
-    what: str = "condition",
-) -> None:
-    """Poll ``check`` until true; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(delay)  # polling with a deadline
-        delay = min(delay * 2, 0.1)
 
 
 async def dead_letters(

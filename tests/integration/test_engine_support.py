@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
+import polling
 from meshforge.cli.demo_support import StreamMessage, read_stream
 from meshforge.config import Settings, load_settings
 from meshforge.connection import Connection, connect
@@ -135,11 +136,7 @@ async def send_many(conn: Connection, envs: list[tuple[str, Envelope]]) -> None:
 
 
 async def wait_until(check: Callable[[], Awaitable[bool]], within: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + within
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        await asyncio.sleep(0.05)  # polling interval of a deadline-bounded wait
+    await polling.wait_until(check, timeout=within, what=what or "condition")
 
 
 async def events_of(conn: Connection, agent: str) -> list[StreamMessage]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 from nats.js import JetStreamContext
 
@@ -25,12 +23,3 @@ async def publish_many(
         await asyncio.gather(*futures[i : i + 500])
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
-    """Poll ``condition`` until true; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(delay)  # polling with a deadline
-        delay = min(delay * 2, 0.5)

@@ -9,7 +9,9 @@ import pytest
 from nats.js import JetStreamContext
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
-from spark_support import publish_many, wait_until
+from spark_support import publish_many
+
+from polling import wait_until_sync as wait_until
 
 pytestmark = pytest.mark.spark
 
