@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from consumer_support import (
-    connection,
     counter_value,
     dead_letters,
     histogram_count,
@@ -40,13 +38,6 @@ from meshforge.errors import Expired, Rejected, Retry, Unrecoverable
 from meshforge.observability import Metrics
 from meshforge.subjects import STREAM_COMMANDS
 from meshforge.topology import agent_consumer
-
-
-@pytest.fixture
-async def conn(nats_url: str, js: JetStreamContext) -> AsyncIterator[Connection]:
-    await provision_all(js, settings())
-    async with connection(nats_url) as c:
-        yield c
 
 
 async def ack_pending(js: JetStreamContext, durable: str) -> int:

@@ -8,7 +8,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
-import pytest
 from consumer_support import (
     connection,
     counter_value,
@@ -28,13 +27,6 @@ from meshforge.middleware.tracing import SPAN_ID, TRACE_ID
 from meshforge.observability import Metrics
 from meshforge.subjects import STREAM_COMMANDS
 from meshforge.topology import agent_consumer
-
-
-@pytest.fixture
-async def conn(nats_url: str, js: JetStreamContext) -> AsyncIterator[Connection]:
-    await provision_all(js, settings())
-    async with connection(nats_url) as c:
-        yield c
 
 
 @contextlib.asynccontextmanager

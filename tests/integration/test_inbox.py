@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from consumer_support import (
-    connection,
     counter_value,
-    provision_all,
     running,
     settings,
     subject_for,
@@ -43,13 +41,6 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
         tx.execute(f"CREATE TABLE {TABLE} (key TEXT PRIMARY KEY, amount INTEGER NOT NULL)")
     yield opened
     opened.close()
-
-
-@pytest.fixture
-async def conn(nats_url: str, js: JetStreamContext) -> AsyncIterator[Connection]:
-    await provision_all(js, settings())
-    async with connection(nats_url) as c:
-        yield c
 
 
 def credits(store: Store) -> list[tuple[str, int]]:
