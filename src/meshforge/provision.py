@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamManager
-from nats.js.api import ConsumerConfig, StreamConfig
+from nats.js.api import ConsumerConfig, ConsumerInfo, StreamConfig, StreamInfo
 from nats.js.errors import NotFoundError
 
 from meshforge.errors import MissingTopology, OverlapError, TopologyError, one_line
@@ -59,28 +60,40 @@ __all__ = [
 ]
 
 log = logging.getLogger("meshforge.provision")
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------ reading the server
 
 
-async def _existing_streams(js: JetStreamManager) -> dict[str, StreamConfig]:
-    found: dict[str, StreamConfig] = {}
+async def _list_all(fetch: Callable[[int], Awaitable[tuple[list[T], int | None]]]) -> list[T]:
+    """Every item of a paged JetStream listing; ``fetch(offset)`` gives a page and the total.
+
+    The offset advances by what each page returned, not by distinct names: the server
+    counts entries it leaves out of a page (a consumer offline, or closing while another
+    process creates it), and a loop waiting for the number of names to grow never ends.
+    """
+    items: list[T] = []
     while True:
-        page = await js.streams_info_iterator(len(found))
-        infos = list(page)
-        found.update((str(info.config.name), info.config) for info in infos)
-        if not infos or len(found) >= getattr(page, "total", 0):
-            return found
+        page, total = await fetch(len(items))
+        items.extend(page)
+        if not page or (total is not None and len(items) >= total):
+            return items
+
+
+async def _existing_streams(js: JetStreamManager) -> dict[str, StreamConfig]:
+    async def fetch(offset: int) -> tuple[list[StreamInfo], int | None]:
+        page = await js.streams_info_iterator(offset)
+        return list(page), getattr(page, "total", None)
+
+    return {str(info.config.name): info.config for info in await _list_all(fetch)}
 
 
 async def _existing_consumers(js: JetStreamManager, stream: str) -> dict[str, ConsumerConfig]:
-    found: dict[str, ConsumerConfig] = {}
-    while True:
-        infos = await js.consumers_info(stream, len(found))
-        found.update((info.name, info.config) for info in infos)
-        if not infos:
-            return found
+    async def fetch(offset: int) -> tuple[list[ConsumerInfo], int | None]:
+        return await js.consumers_info(stream, offset), None
+
+    return {info.name: info.config for info in await _list_all(fetch)}
 
 
 def _unique(names: Sequence[str], what: str) -> None:
