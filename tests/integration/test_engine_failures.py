@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import socket
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import msgspec
+import pytest
 from test_engine_support import (
     Account,
     consumer_idle,
@@ -24,6 +28,7 @@ from test_engine_support import (
 
 from meshforge.envelope import Envelope
 from meshforge.errors import StoreError
+from meshforge.runtime.worker import Worker
 from meshforge.store import Store, Transaction
 
 
@@ -191,3 +196,19 @@ async def test_store_errors_nak_the_batch_and_nothing_is_half_done(nats_url: str
         finally:
             real.close()
             await conn.close()
+
+
+async def test_a_worker_told_to_stop_while_it_cannot_reach_nats_stops_at_once(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = settings_for(f"nats://127.0.0.1:{port}", sqlite_url, connect_attempts=100, connect_timeout=1.0)
+    caplog.set_level(logging.INFO, logger="meshforge.connection")
+    worker = Worker([ledger_agent()], settings)
+    run = asyncio.create_task(worker.run())
+    await wait_until(lambda: "attempt 1/100" in caplog.text, what="a failed connect attempt")
+    await worker.stop()
+    await asyncio.wait_for(run, 5)  # 100 attempts with backoff would take minutes
+    assert not worker.ready.is_set()

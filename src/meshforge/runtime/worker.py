@@ -102,52 +102,43 @@ class Worker:
         self._engines: list[Engine[Any]] = []
         self._stopping = asyncio.Event()
         self._conn: Connection | None = None
+        self._endpoint: HttpEndpoint | None = None
 
     async def run(self) -> None:
-        """Connect, provision (unless disabled), consume until ``stop()``, then clean up."""
+        """Connect, provision (unless disabled), consume until ``stop()``, then clean up.
+
+        ``stop()`` (or a signal) while starting ends the start where it is: a worker that
+        cannot reach its server, or waits on it, still stops when told.
+        """
         settings = self.settings
-        endpoint: HttpEndpoint | None = None
+        stop = asyncio.ensure_future(self._stopping.wait())
         try:
-            if self._store is None:
-                self._store = await asyncio.to_thread(open_store, settings.store_url)
-            self._conn = conn = await connect(settings, name=f"meshforge-{'-'.join(a.name for a in self.agents)}")
-            specs = [agent_consumer(a.name, settings) for a in self.agents]
-            if settings.provision:
-                await ensure(conn.js, default_streams(settings), specs)
-            else:
-                # Least privilege: only what agents use must exist (not the control plane's).
-                needed = [s for s in default_streams(settings) if s.name in _AGENT_STREAMS]
-                await verify(conn.js, needed, specs)
-            publisher = Publisher(conn.js, settings, self.metrics)
-            for agent, spec in zip(self.agents, specs, strict=True):
-                engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
-                self._engines.append(engine)
-                consumer = Consumer(
-                    conn, spec, batch_handler=engine.handle, settings=settings,
-                    metrics=self.metrics, publisher=publisher, provision=False,
-                )  # fmt: skip
-                self._consumers.append(consumer)
-            if self.metrics_port is not None:
-                endpoint = await serve_http(
-                    "0.0.0.0", self.metrics_port, self.metrics, conn.health, self.ready.is_set
-                )
-                log.info("metrics on :%d", endpoint.port)
+            setup = asyncio.ensure_future(self._setup())
+            await asyncio.wait({setup, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not setup.done():
+                setup.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await setup
+                log.info("stopped while starting")
+                return
+            setup.result()
             runs = [asyncio.create_task(c.run()) for c in self._consumers]
-            await self._wait_ready(runs)
-            self.ready.set()
-            log.info("running %s", ", ".join(a.name for a in self.agents))
-            stop = asyncio.create_task(self._stopping.wait())
+            await self._wait_ready(runs, stop)
+            if not stop.done():
+                self.ready.set()
+                log.info("running %s", ", ".join(a.name for a in self.agents))
             await asyncio.wait([*runs, stop], return_when=asyncio.FIRST_COMPLETED)
             await asyncio.gather(*(c.stop(settings.shutdown_timeout) for c in self._consumers))
             results = await asyncio.gather(*runs, return_exceptions=True)
-            stop.cancel()
             for result in results:
                 if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                     raise result
         finally:
+            stop.cancel()
             self.ready.clear()
-            if endpoint is not None:
-                await endpoint.close()
+            if self._endpoint is not None:
+                await self._endpoint.close()
+                self._endpoint = None
             for engine in self._engines:
                 await asyncio.to_thread(engine.close)
             if self._conn is not None:
@@ -155,13 +146,44 @@ class Worker:
             if self._own_store and self._store is not None:
                 await asyncio.to_thread(self._store.close)
 
-    async def _wait_ready(self, runs: list[asyncio.Task[None]]) -> None:
+    async def _setup(self) -> None:
+        """Store, connection, topology, then one engine and one consumer per agent."""
+        settings = self.settings
+        if self._store is None:
+            self._store = await asyncio.to_thread(open_store, settings.store_url)
+        self._conn = conn = await connect(settings, name=f"meshforge-{'-'.join(a.name for a in self.agents)}")
+        specs = [agent_consumer(a.name, settings) for a in self.agents]
+        if settings.provision:
+            await ensure(conn.js, default_streams(settings), specs)
+        else:
+            # Least privilege: only what agents use must exist (not the control plane's).
+            needed = [s for s in default_streams(settings) if s.name in _AGENT_STREAMS]
+            await verify(conn.js, needed, specs)
+        publisher = Publisher(conn.js, settings, self.metrics)
+        for agent, spec in zip(self.agents, specs, strict=True):
+            engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
+            self._engines.append(engine)
+            consumer = Consumer(
+                conn, spec, batch_handler=engine.handle, settings=settings,
+                metrics=self.metrics, publisher=publisher, provision=False,
+            )  # fmt: skip
+            self._consumers.append(consumer)
+        if self.metrics_port is not None:
+            self._endpoint = await serve_http(
+                "0.0.0.0", self.metrics_port, self.metrics, conn.health, self.ready.is_set
+            )
+            log.info("metrics on :%d", self._endpoint.port)
+
+    async def _wait_ready(self, runs: list[asyncio.Task[None]], stop: asyncio.Future[Any]) -> None:
+        """Until every consumer pulls, one fails to start (raised here), or ``stop``."""
         for consumer, run in zip(self._consumers, runs, strict=True):
-            ready = asyncio.create_task(consumer.ready.wait())
-            done, _ = await asyncio.wait({ready, run}, return_when=asyncio.FIRST_COMPLETED)
+            ready = asyncio.ensure_future(consumer.ready.wait())
+            done, _ = await asyncio.wait({ready, run, stop}, return_when=asyncio.FIRST_COMPLETED)
+            ready.cancel()
             if run in done:
-                ready.cancel()
                 run.result()  # the consumer's own error, if it failed to start
+                return
+            if stop in done:
                 return
 
     async def stop(self) -> None:
