@@ -53,7 +53,7 @@ def own_pg(pg_database: str) -> Iterator[str]:
 async def test_three_workers_one_killed_give_exactly_one_effect_per_command(
     private_server: EmbeddedServer, own_pg: str, tmp_path: Path
 ) -> None:
-    env = {"MESHFORGE_BATCH_SIZE": "8", "MESHFORGE_BACKOFF": "0.5s,1s", "MESHFORGE_MAX_DELIVER": "20"}
+    env = {"MESHFORGE_BATCH_SIZE": "8", "MESHFORGE_BACKOFF": "0.5s,1s", "MESHFORGE_MAX_DELIVER": "20", "MESHFORGE_LOG_LEVEL": "INFO"}
     specs = ["meshforge.demo:OrderAgent", "meshforge.demo:InventoryAgent"]
     workers = [
         AgentProcess(specs, own_pg, private_server.url, tmp_path / f"worker{i}.log", env=env)
@@ -73,6 +73,13 @@ async def test_three_workers_one_killed_give_exactly_one_effect_per_command(
         resent = [o.with_(id=str(uuid.uuid4())) for o in rng.sample(orders, 60)]
         for w in workers:
             w.start()
+
+        # Several workers apply one resource's commands in delivery order only when they
+        # are not in flight together: the stock exists before the first order reserves it.
+        async def stocked() -> bool:
+            return len(await events_of(conn, "inventory")) >= len(skus)
+
+        await wait_until(stocked, within=60, what="the stock created")
         subject = "cmd.default.demo.order.create"
         await publisher.publish_many([Outbound.of(subject, e) for e in orders[:200]])
         await asyncio.sleep(rng.uniform(0.3, 0.8))  # let work start, then kill a worker mid-flight
