@@ -74,6 +74,7 @@ class Settings:
     metrics_port: int | None = None
     inbox_retention: float = 7 * 86400.0
     outbox_retention: float = 86400.0
+    reply_retention: float = 30 * 86400.0
     log_level: str = "INFO"
     log_json: bool = False
 
@@ -260,6 +261,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "metrics_port": _int_between(0, 65535),
     "inbox_retention": _duration(positive=False),
     "outbox_retention": _duration(positive=False),
+    "reply_retention": _duration(positive=False),
     "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", upper=True),
     "log_json": _boolean,
 }

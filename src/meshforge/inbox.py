@@ -33,13 +33,13 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
 
 from meshforge.decisions import Action, Decision, Delivery, Handler
 from meshforge.envelope import H_MSG_ID
 from meshforge.errors import StoreError, one_line
 from meshforge.observability import Metrics
+from meshforge.retention import cleanup_loop, cleanup_once
 from meshforge.store.base import InboxRecord, Store, Transaction
 
 __all__ = [
@@ -283,11 +283,7 @@ async def _record_failure(
 
 async def cleanup_inbox_once(store: Store, retention: float) -> int:
     """Delete processed and failed inbox rows untouched for ``retention`` seconds; how many."""
-    cutoff = datetime.now(UTC) - timedelta(seconds=retention)
-    removed = await asyncio.to_thread(store.inbox_cleanup, cutoff)
-    if removed:
-        log.info("inbox cleanup removed %d row(s) older than %.0fs", removed, retention)
-    return removed
+    return await cleanup_once("inbox", store.inbox_cleanup, retention)
 
 
 async def inbox_cleanup(
@@ -302,13 +298,4 @@ async def inbox_cleanup(
 
     Example: ``asyncio.create_task(inbox_cleanup(store, settings.inbox_retention))``
     """
-    stop = stop or asyncio.Event()
-    while not stop.is_set():
-        try:
-            await cleanup_inbox_once(store, retention)
-        except StoreError as exc:
-            log.warning("inbox cleanup failed: %s", one_line(exc))
-        try:
-            await asyncio.wait_for(stop.wait(), interval)
-        except TimeoutError:
-            continue
+    await cleanup_loop("inbox", store.inbox_cleanup, retention, interval=interval, stop=stop)

@@ -22,9 +22,13 @@ from meshforge.cli import app
 from meshforge.config import load_settings
 from meshforge.connection import Connection, connect
 from meshforge.control import ControlClient, Reply, node_durable
+from meshforge.control.runtime import NodeRuntime
+from meshforge.demo import DemoNode
 from meshforge.errors import ConfigError
+from meshforge.store import open_store
 from meshforge.subjects import STREAM_CONTROL, control_command_subject, control_reply_subject
 from meshforge.topology import default_streams, ensure
+from polling import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -350,3 +354,26 @@ def _cli(*args: str) -> Result:
 
 async def _pause() -> None:
     await asyncio.sleep(0.05)  # polling interval while waiting for the server's state
+
+
+async def test_stored_replies_past_their_retention_are_deleted(
+    ctl: ControlClient, conn: Connection, site: str, tmp_path: Path
+) -> None:
+    store = open_store(f"sqlite:///{tmp_path / 'node.db'}")
+    settings = load_settings({"reply_retention": "0s"})
+    runtime = NodeRuntime(DemoNode(), site, "n1", conn, store, settings=settings, cleanup_interval=0.05)
+    run = asyncio.create_task(runtime.run())
+    try:
+        command_id = await ctl.send(site, "n1", "echo", {"n": 1})
+        assert (await _reply(ctl, site, command_id)).status == "ok"
+
+        def stored() -> bool:
+            return store.run(lambda tx: tx.node_reply_get(site, "n1", command_id)) is not None
+
+        await wait_until(lambda: not stored(), timeout=10, what="the stored reply deleted")
+        # the reply itself stays readable on the stream
+        assert (await _reply(ctl, site, command_id)).status == "ok"
+    finally:
+        await runtime.stop()
+        await run
+        store.close()

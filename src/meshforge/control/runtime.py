@@ -43,6 +43,7 @@ from meshforge.errors import Expired, MalformedMessage, Rejected, Retry, Unrecov
 from meshforge.faults import crash_point
 from meshforge.observability import Metrics
 from meshforge.publisher import Publisher
+from meshforge.retention import cleanup_loop
 from meshforge.store.base import Store, Transaction
 from meshforge.subjects import control_reply_subject
 from meshforge.topology import default_streams, ensure, node_consumer
@@ -88,6 +89,7 @@ class NodeRuntime:
         presence_interval: float = 10.0,
         metrics: Metrics | None = None,
         publisher: Publisher | None = None,
+        cleanup_interval: float = 3600.0,
     ) -> None:
         self.node = node
         self.site = site
@@ -110,6 +112,7 @@ class NodeRuntime:
             create=self.settings.provision,
         )
         self.epoch = 0
+        self.cleanup_interval = cleanup_interval
         self.ready = asyncio.Event()
         self._consumer: Consumer | None = None
         self._stopping = False
@@ -137,13 +140,21 @@ class NodeRuntime:
         )
         self._consumer = consumer
         waiter = asyncio.create_task(self._mark_ready(consumer))
+        # Stored replies answer a command's repeats; past the retention they are deleted.
+        cleanup = asyncio.create_task(
+            cleanup_loop(
+                "node replies", self.store.node_replies_cleanup,
+                self.settings.reply_retention, interval=self.cleanup_interval,
+            )
+        )  # fmt: skip
         try:
             if not self._stopping:
                 await consumer.run()
         finally:
-            waiter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await waiter
+            for task in (waiter, cleanup):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             # HA: another instance of this node may still be up; it re-announces within
             # one interval, so a "stopped" written here is corrected quickly.
             await self.presence.stop(self.epoch)

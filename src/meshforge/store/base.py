@@ -284,6 +284,10 @@ class Store(Protocol):
         """Delete effects (and their outputs) stored before ``older_than``; events stay."""
         ...
 
+    def node_replies_cleanup(self, older_than: datetime) -> int:
+        """Delete control-plane node replies stored before ``older_than``."""
+        ...
+
     def events_read(
         self, agent: str, after: int = 0, limit: int | None = None
     ) -> Iterator[StoredEvent]:
