@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from nats.errors import MsgAlreadyAckdError
@@ -149,25 +149,45 @@ class Acker:
         await self._ack(delivery)
         crash_point("after_ack")
 
-    @contextlib.asynccontextmanager
-    async def keep_alive(self, msgs: Sequence[Msg], period: float) -> AsyncIterator[None]:
+    def keep_alive(self, msgs: Sequence[Msg], period: float) -> KeepAlive:
         """Send ``in_progress`` for ``msgs`` every ``period`` seconds until the block ends."""
+        return KeepAlive(msgs, period)
 
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(period)  # the heartbeat period itself
-                for msg in msgs:
-                    with contextlib.suppress(Exception):  # lost beats only risk a redelivery
-                        await msg.in_progress()
 
-        task = asyncio.create_task(beat())
-        try:
-            yield
-        finally:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise  # our own cancellation, not just the heartbeat's
+class KeepAlive:
+    """``async with``: ``in_progress`` for ``msgs`` every ``period`` seconds meanwhile.
+
+    A timer, not a task: most handlers end long before the first beat, so the common
+    case costs one timer set and cancelled. Each beat sends from a short task of its own.
+    """
+
+    __slots__ = ("_beats", "_loop", "_timer", "msgs", "period")
+
+    def __init__(self, msgs: Sequence[Msg], period: float) -> None:
+        self.msgs = msgs
+        self.period = period
+        self._beats: set[asyncio.Task[None]] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def __aenter__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(self.period, self._fire)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for beat in self._beats:  # a beat still sending is not needed any more
+            beat.cancel()
+
+    def _fire(self) -> None:
+        assert self._loop is not None
+        beat = self._loop.create_task(self._beat())
+        self._beats.add(beat)
+        beat.add_done_callback(self._beats.discard)
+        self._timer = self._loop.call_later(self.period, self._fire)
+
+    async def _beat(self) -> None:
+        for msg in self.msgs:
+            with contextlib.suppress(Exception):  # lost beats only risk a redelivery
+                await msg.in_progress()
