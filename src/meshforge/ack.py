@@ -3,7 +3,8 @@
 ``Acker.apply`` sends what a ``Decision`` says and counts it. A dead letter is published
 (and its PubAck awaited) before the original is acked; when that publish fails the
 original is nak'ed instead, so a message is never acked without its dead letter.
-``keep_alive`` sends ``in_progress`` every third of the ack wait while a handler runs.
+``keep_alive`` sends ``in_progress`` every third of the ack wait while a handler runs
+(one task per consumer does it for every handler that runs that long).
 
 Example::
 
@@ -66,6 +67,7 @@ class Acker:
         self._exhausted = metrics.deliveries_exhausted.labels(**label)
         self._dead = metrics.dead_lettered
         self._e2e = metrics.end_to_end_seconds.labels(**label)
+        self._heartbeats = Heartbeats()
 
     async def apply(self, delivery: Delivery, decision: Decision) -> None:
         """Carry out ``decision`` for ``delivery``. Never raises for a send failure: the
@@ -151,43 +153,63 @@ class Acker:
 
     def keep_alive(self, msgs: Sequence[Msg], period: float) -> KeepAlive:
         """Send ``in_progress`` for ``msgs`` every ``period`` seconds until the block ends."""
-        return KeepAlive(msgs, period)
+        return KeepAlive(self._heartbeats, msgs, period)
+
+
+class Heartbeats:
+    """One task sends ``in_progress`` for every held batch of messages that is due.
+
+    Holding and releasing are a dict insert and delete: most handlers end long before
+    their first beat, so they should cost nothing more. The task wakes every half of the
+    shortest period held, so a batch's first beat comes between one and one and a half
+    periods after it was taken (the consumer's period is a third of the ack wait). It
+    ends when nothing is held.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[float, float, Sequence[Msg]]] = {}  # key: (due, period, msgs)
+        self._next_key = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def hold(self, msgs: Sequence[Msg], period: float) -> int:
+        self._next_key += 1
+        self._held[self._next_key] = (time.monotonic() + period, period, msgs)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return self._next_key
+
+    def release(self, key: int) -> None:
+        self._held.pop(key, None)
+        if not self._held and self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        while self._held:
+            await asyncio.sleep(min(period for _, period, _ in self._held.values()) / 2)
+            now = time.monotonic()
+            for key, (due, period, msgs) in list(self._held.items()):
+                if due > now or key not in self._held:
+                    continue
+                self._held[key] = (now + period, period, msgs)
+                for msg in msgs:
+                    with contextlib.suppress(Exception):  # lost beats only risk a redelivery
+                        await msg.in_progress()
 
 
 class KeepAlive:
-    """``async with``: ``in_progress`` for ``msgs`` every ``period`` seconds meanwhile.
+    """``async with``: the messages are held by ``Heartbeats`` while the block runs."""
 
-    A timer, not a task: most handlers end long before the first beat, so the common
-    case costs one timer set and cancelled. Each beat sends from a short task of its own.
-    """
+    __slots__ = ("_heartbeats", "_key", "msgs", "period")
 
-    __slots__ = ("_beats", "_loop", "_timer", "msgs", "period")
-
-    def __init__(self, msgs: Sequence[Msg], period: float) -> None:
+    def __init__(self, heartbeats: Heartbeats, msgs: Sequence[Msg], period: float) -> None:
+        self._heartbeats = heartbeats
         self.msgs = msgs
         self.period = period
-        self._beats: set[asyncio.Task[None]] = set()
-        self._timer: asyncio.TimerHandle | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._key = 0
 
     async def __aenter__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._timer = self._loop.call_later(self.period, self._fire)
+        self._key = self._heartbeats.hold(self.msgs, self.period)
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        for beat in self._beats:  # a beat still sending is not needed any more
-            beat.cancel()
-
-    def _fire(self) -> None:
-        assert self._loop is not None
-        beat = self._loop.create_task(self._beat())
-        self._beats.add(beat)
-        beat.add_done_callback(self._beats.discard)
-        self._timer = self._loop.call_later(self.period, self._fire)
-
-    async def _beat(self) -> None:
-        for msg in self.msgs:
-            with contextlib.suppress(Exception):  # lost beats only risk a redelivery
-                await msg.in_progress()
+        self._heartbeats.release(self._key)

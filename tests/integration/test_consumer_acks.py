@@ -116,9 +116,10 @@ async def test_in_progress_keeps_a_long_handler_from_redelivery(
 
     consumer = Consumer(conn, spec, handler=handle, settings=s, metrics=metrics)
     async with running(consumer):
-        await publish_envelopes(js, subject_for(agent), 1)
-        await wait_until(lambda: counter_value(metrics.acked, consumer=spec.durable) == 1, 10)
-    assert deliveries == [1]
+        # three long handlers at once: one heartbeat task keeps all of them alive
+        await publish_envelopes(js, subject_for(agent), 3)
+        await wait_until(lambda: counter_value(metrics.acked, consumer=spec.durable) == 3, 10)
+    assert deliveries == [1, 1, 1]
     info = await js.consumer_info(STREAM_COMMANDS, spec.durable)
     assert info.num_redelivered == 0 and info.num_ack_pending == 0
     assert counter_value(metrics.redeliveries, consumer=spec.durable) == 0
