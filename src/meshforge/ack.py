@@ -161,20 +161,25 @@ class Heartbeats:
 
     Holding and releasing are a dict insert and delete: most handlers end long before
     their first beat, so they should cost nothing more. The task wakes every half of the
-    shortest period held, so a batch's first beat comes between one and one and a half
-    periods after it was taken (the consumer's period is a third of the ack wait). It
-    ends when nothing is held.
+    shortest period held (a hold with a shorter period than that starts it again), so a
+    batch's first beat comes between one and one and a half periods after it was taken;
+    the consumer's period is a third of the ack wait of that delivery. The task ends
+    when nothing is held.
     """
 
     def __init__(self) -> None:
         self._held: dict[int, tuple[float, float, Sequence[Msg]]] = {}  # key: (due, period, msgs)
         self._next_key = 0
         self._task: asyncio.Task[None] | None = None
+        self._tick = 0.0  # how long the task sleeps between rounds
 
     def hold(self, msgs: Sequence[Msg], period: float) -> int:
         self._next_key += 1
         self._held[self._next_key] = (time.monotonic() + period, period, msgs)
-        if self._task is None or self._task.done():
+        if self._task is None or self._task.done() or period / 2 < self._tick:
+            if self._task is not None:
+                self._task.cancel()  # it sleeps too long for this hold
+            self._tick = period / 2
             self._task = asyncio.get_running_loop().create_task(self._run())
         return self._next_key
 
@@ -183,10 +188,12 @@ class Heartbeats:
         if not self._held and self._task is not None:
             self._task.cancel()
             self._task = None
+            self._tick = 0.0
 
     async def _run(self) -> None:
         while self._held:
-            await asyncio.sleep(min(period for _, period, _ in self._held.values()) / 2)
+            self._tick = min(period for _, period, _ in self._held.values()) / 2
+            await asyncio.sleep(self._tick)
             now = time.monotonic()
             for key, (due, period, msgs) in list(self._held.items()):
                 if due > now or key not in self._held:

@@ -1,0 +1,47 @@
+"""The in-progress heartbeat: one task for every held handler, each beaten within its period."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, cast
+
+from meshforge.ack import Heartbeats
+from polling import wait_until
+
+
+class Beaten:
+    """Stands in for a message: records when ``in_progress`` was sent for it."""
+
+    def __init__(self) -> None:
+        self.taken = time.monotonic()
+        self.beats: list[float] = []
+
+    async def in_progress(self) -> None:
+        self.beats.append(time.monotonic() - self.taken)
+
+
+async def test_a_short_period_held_after_a_long_one_is_beaten_in_time() -> None:
+    heartbeats = Heartbeats()
+    slow, quick = Beaten(), Beaten()
+    heartbeats.hold(cast(Any, [slow]), 4.0)
+    await asyncio.sleep(0)  # one loop turn: the task starts its 2 s sleep
+    key = heartbeats.hold(cast(Any, [quick]), 0.1)
+    await wait_until(lambda: len(quick.beats) >= 3, timeout=2, what="three beats of the quick one")
+    assert quick.beats[0] <= 0.15 + 0.1  # at most one and a half periods, plus scheduling
+    assert not slow.beats  # not due yet
+    heartbeats.release(key)
+
+
+async def test_releasing_everything_ends_the_task() -> None:
+    heartbeats = Heartbeats()
+    held = Beaten()
+    key = heartbeats.hold(cast(Any, [held]), 0.05)
+    await wait_until(lambda: bool(held.beats), timeout=2, what="a beat")
+    task = heartbeats._task
+    assert task is not None
+    heartbeats.release(key)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert task.cancelled() and heartbeats._task is None
