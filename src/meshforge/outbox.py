@@ -36,6 +36,7 @@ from meshforge.errors import PublishError, StoreError
 from meshforge.faults import crash_point
 from meshforge.observability import Metrics
 from meshforge.publisher import Publisher, PublishResult
+from meshforge.retention import cleanup_once
 from meshforge.store.base import OutboxRow, Store, Transaction
 from meshforge.subjects import validate_subject
 
@@ -242,12 +243,7 @@ class OutboxRelay:
             self.metrics.outbox_depth.set(depth)
         if now >= self._next_cleanup:
             self._next_cleanup = now + self.cleanup_every
-            cutoff = datetime.now(UTC) - timedelta(seconds=self.retention)
-            removed = await asyncio.to_thread(self.store.outbox_cleanup, cutoff)
-            if removed:
-                log.info(
-                    "outbox relay %s removed %d sent row(s) past retention", self.relay_id, removed
-                )
+            await cleanup_once(f"outbox relay {self.relay_id}", self.store.outbox_cleanup, self.retention)
 
     async def depth(self) -> int:
         """Rows still to publish (also sets the ``outbox_depth`` gauge)."""
