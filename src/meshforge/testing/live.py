@@ -43,8 +43,9 @@ class WorkerHarness:
     """A ``Worker`` for ``agents`` plus the means to send commands and see the outcome.
 
     ``settings`` must name the server (``nats_url``) and the store; ``store`` (optional)
-    is shared with the worker so the test can read states. ``namespace`` scopes the
-    commands this harness sends and the events it reads.
+    is shared with the worker so the test can read states. ``tenant`` and ``namespace``
+    (default: the settings', else ``default`` and ``test``) scope the commands this harness
+    sends and the events and dead letters it reads.
     """
 
     def __init__(
@@ -53,15 +54,15 @@ class WorkerHarness:
         settings: Settings,
         *,
         store: Store | None = None,
-        tenant: str = "default",
-        namespace: str = "test",
+        tenant: str | None = None,
+        namespace: str | None = None,
         deliver_group: str | None = None,
         timeout: float = 10.0,
     ) -> None:
         self.agents = {a.name: a for a in agents}
         self.settings = settings
-        self.tenant = tenant
-        self.namespace = namespace
+        self.tenant = tenant or settings.tenant or "default"
+        self.namespace = namespace or settings.namespace or "test"
         self.timeout = timeout
         self.worker = Worker(list(agents), settings, store=store, deliver_group=deliver_group)
         self.store = store
