@@ -97,7 +97,14 @@ async def _serve(agents: list[Any], settings: Settings, *, deliver_group: str | 
         from meshforge.cli.relay import run_relay
 
         stop = asyncio.Event()
-        relaying = asyncio.create_task(run_relay(store, settings, stop))
+
+        async def relay_then_stop() -> None:
+            try:
+                await run_relay(store, settings, stop)
+            finally:  # a relay that fails stops the agents too: the process exits with its error
+                await worker.stop()
+
+        relaying = asyncio.create_task(relay_then_stop())
         try:
             await worker.run()
         finally:
