@@ -122,13 +122,13 @@ def test_init_from_a_bad_spec_says_where_in_one_line_and_writes_nothing(
 ) -> None:
     (tmp_path / "spec.yaml").write_text(spec)
     done = meshforge(tmp_path, "init", "shop", "--from", "spec.yaml")
-    assert done.returncode == 1
+    assert done.returncode == 2  # usage: a bad input, nothing done
     assert done.stderr.strip().splitlines() == [f"error: {message}"]
     assert not (tmp_path / "shop").exists()
 
 
 def test_init_refuses_a_name_that_would_shadow_a_module(tmp_path: Path) -> None:
     done = meshforge(tmp_path, "init", "json")
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert "its package 'json' would shadow a module" in done.stderr
     assert not (tmp_path / "json").exists()

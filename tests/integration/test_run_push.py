@@ -93,3 +93,6 @@ def test_push_needs_a_deliver_group() -> None:
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert "--push and --deliver-group NAME go together" in err
+    proc = start("run", "push_agents:TallyAgent", "--push", "--deliver-group", "a.b")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "invalid deliver group 'a.b'" in err

@@ -21,7 +21,7 @@ from typing import Annotated
 import typer
 
 from meshforge.cli.init_spec import AgentSpec, ProjectSpec, default_spec, load_spec
-from meshforge.errors import ConfigError
+from meshforge.errors import ConfigError, MeshForgeError
 
 __all__ = ["render_project", "write_project"]
 
@@ -82,7 +82,8 @@ def package_name(project: str) -> str:
 def write_project(target: Path, files: dict[str, str]) -> None:
     """Write ``files`` under ``target``; refuse an existing non-empty directory or a file."""
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ConfigError(f"{target} exists and is not empty; choose another NAME or empty it")
+        # Not a usage error: the same command works elsewhere (exit 1, nothing written).
+        raise MeshForgeError(f"{target} exists and is not empty; choose another NAME or empty it")
     for relative, text in files.items():
         path = target / relative
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -68,9 +68,13 @@ def run(
     if push != (deliver_group is not None):
         raise typer.BadParameter("--push and --deliver-group NAME go together", param_hint="--push")
     if deliver_group is not None:
+        from meshforge.errors import InvalidSubject
         from meshforge.subjects import validate_token
 
-        validate_token(deliver_group, "deliver group")
+        try:
+            validate_token(deliver_group, "deliver group")
+        except InvalidSubject as exc:
+            raise typer.BadParameter(str(exc), param_hint="--deliver-group") from None
     configure_logging(settings.log_level, settings.log_json)
     import_from_cwd()
     instances = [load_agent(spec) for spec in agents]
