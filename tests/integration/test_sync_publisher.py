@@ -121,3 +121,15 @@ async def test_a_forked_child_publishes_on_its_own_loop_and_exit_closes_it(
     assert "child exit: 0" in done.stdout and "closed at exit: True" in done.stdout
     assert await count(meshforge_connection, "evt.default.test.fork.child") == 1
     assert await count(meshforge_connection, "evt.default.test.fork.parent") == 2
+
+
+def test_a_full_publisher_refuses_after_the_callers_timeout(meshforge_settings: Settings) -> None:
+    publisher = SyncPublisher(meshforge_settings, max_pending=2)
+    try:
+        for _ in range(2):  # two messages in flight, as far as the bound can tell
+            assert publisher._slots.acquire(timeout=1)
+        with pytest.raises(PublishError) as full:
+            publisher.publish("evt.default.test.full.x", {"i": 1}, timeout=0.05)
+        assert full.value.kind == "backpressure" and full.value.retriable
+    finally:
+        publisher.close()

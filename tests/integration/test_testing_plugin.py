@@ -35,3 +35,11 @@ async def test_and_the_next_one_does_not_see_the_last_ones_messages(
     meshforge_connection: Connection,
 ) -> None:
     assert (await meshforge_connection.js.stream_info(STREAM_COMMANDS)).state.messages == 0
+
+
+async def test_agent_worker_on_a_deliver_group(agent_worker: _Workers) -> None:
+    async with agent_worker(InventoryAgent(), deliver_group="stock") as h:
+        await h.send("inventory", "create", {"sku": "B-1", "qty": 1})
+        await h.wait_events("inventory.created")
+        info = await h.conn.js.consumer_info(STREAM_COMMANDS, "inventory_consumer")
+        assert info.config.deliver_group == "stock"
