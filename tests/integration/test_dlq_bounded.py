@@ -111,6 +111,13 @@ async def test_a_dead_letter_over_max_payload_is_truncated_and_its_original_kept
     )  # fmt: skip
     assert out.exit_code == 0, out.output
     assert f"original of dead letter {result.seq}, on {subject}" in out.stdout
+    listed = await asyncio.to_thread(
+        CliRunner(env={"COLUMNS": "200"}).invoke,
+        app,
+        ["dlq", "ls", "--subject", f"failed.{subject}",
+         "--nats-url", js._nc.connected_url.geturl()],  # type: ignore[union-attr]
+    )  # fmt: skip
+    assert "malformed (cut)" in listed.stdout
     assert f"body ({len(body)} bytes, binary; first 4096 shown" in out.stdout
     assert (tmp_path / "b").read_bytes() == body
 

@@ -81,7 +81,10 @@ def ls(
     subject: SubjectFilter = None,
     nats_url: NatsUrl = None,
 ) -> None:
-    """List dead letters, oldest first: id, original subject, reason, error, deliveries."""
+    """List dead letters, oldest first: id, original subject, reason, error, deliveries.
+
+    A reason marked "(cut)" is a truncated dead letter: `dlq show ID --original` shows it whole.
+    """
     from rich.console import Console
     from rich.table import Table
 
@@ -105,7 +108,7 @@ def ls(
         # Text, not markup: a header's "[" must not be read as a style.
         table.add_row(
             str(letter.seq),
-            Text(_printable(_short(letter.reason, 20))),
+            Text(_printable(_short(letter.reason, 20)) + (" (cut)" if letter.truncated else "")),
             "" if letter.deliveries is None else str(letter.deliveries),
             Text(_printable(letter.original_subject)),
             Text(_printable(_short(letter.error, 100))),
