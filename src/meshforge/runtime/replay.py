@@ -2,7 +2,9 @@
 
 The state hash is SHA-256 over a canonical encoding of the agent's events: each event
 is the sorted-keys JSON of ``[event_id, type, resource_id, data]``; a resource's events
-are hashed in log order, then the per-resource digests in resource order. So the hash
+are hashed in log order, then the per-resource digests in resource order. A resource is
+named by its scope too (tenant and namespace; the default scope adds nothing, so a
+single-tenant store keeps the hash it always had): two tenants' ``o-1`` are two resources. So the hash
 depends only on what happened to each resource and in which order, never on how
 commands of different resources interleaved, how often they were delivered, where
 workers crashed or how batches were cut.
@@ -12,7 +14,8 @@ states) is compared with ``stored_hash`` (the same over the snapshots the store 
 
 Example::
 
-    result = replay(store, "order", OrderAgent())
+    result = replay(store, "order", OrderAgent())                  # every tenant's log
+    one = replay(store, "order", OrderAgent(), scope=Scope("acme", "shop"))
     print(result.events, result.state_hash, result.mismatched)
 """
 
@@ -27,9 +30,10 @@ import msgspec
 
 from meshforge.runtime.agent import Agent, Event
 from meshforge.runtime.outputs import event_name
+from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store.base import Store, StoredEvent
 
-__all__ = ["ReplayResult", "StateHasher", "canonical", "replay", "state_hash"]
+__all__ = ["ReplayResult", "StateHasher", "canonical", "label", "replay", "state_hash"]
 
 _CANONICAL = msgspec.json.Encoder(order="sorted")
 _DECODER = msgspec.json.Decoder()
@@ -44,15 +48,24 @@ def canonical(data: bytes) -> Any:
         return {"$hex": bytes(data).hex()}
 
 
+def label(scope: Scope, resource: str) -> str:
+    """How a resource is shown: its id in the default scope, else ``tenant/namespace/id``."""
+    return resource if scope == DEFAULT_SCOPE else f"{scope.tenant}/{scope.namespace}/{resource}"
+
+
+def _hash_key(scope: Scope, resource: str) -> tuple[str, ...]:
+    return (resource,) if scope == DEFAULT_SCOPE else (scope.tenant, scope.namespace, resource)
+
+
 class StateHasher:
     """Accumulates events (each resource's in log order) into the state hash."""
 
     def __init__(self) -> None:
-        self._per_resource: dict[str, Any] = {}
+        self._per_resource: dict[tuple[str, ...], Any] = {}
         self.events = 0
 
     def add(self, event: StoredEvent) -> None:
-        resource = event.resource_id or ""
+        resource = _hash_key(event.scope, event.resource_id or "")
         digest = self._per_resource.get(resource)
         if digest is None:
             digest = self._per_resource[resource] = hashlib.sha256()
@@ -67,7 +80,8 @@ class StateHasher:
     def hexdigest(self) -> str:
         total = hashlib.sha256()
         for resource in sorted(self._per_resource):
-            total.update(_CANONICAL.encode([resource, self._per_resource[resource].hexdigest()]) + b"\n")
+            record = [*resource, self._per_resource[resource].hexdigest()]
+            total.update(_CANONICAL.encode(record) + b"\n")
         return total.hexdigest()
 
 
@@ -105,24 +119,32 @@ def _snapshot_digest(states: dict[str, bytes]) -> str:
     return total.hexdigest()
 
 
-def replay(store: Store, agent_name: str, agent: Agent[Any] | None = None) -> ReplayResult:
-    """Read the agent's events in order; hash them and, given the agent, fold them into
-    states and compare each with the snapshot the store holds (blocking; use a thread)."""
+def replay(
+    store: Store, agent_name: str, agent: Agent[Any] | None = None, *, scope: Scope | None = None
+) -> ReplayResult:
+    """Read the agent's events in order (of one scope, or of every scope's log); hash them
+    and, given the agent, fold them into states and compare each with the snapshot the
+    store holds (blocking; use a thread). States are keyed by ``label(scope, resource)``."""
     hasher = StateHasher()
     states: dict[str, Any] = {}
-    for event in store.events_read(agent_name):
-        hasher.add(event)
-        if agent is not None:
-            resource = event.resource_id or ""
-            state = states[resource] if resource in states else agent.initial()
-            payload = canonical(event.data)
-            states[resource] = agent.apply(
-                state, Event(event_name(agent_name, event.type), payload if isinstance(payload, dict) else {})
-            )
+    where: dict[str, tuple[Scope, str]] = {}
+    scopes = [scope] if scope is not None else [s for s, _ in store.logs(agent_name)]
+    for log_scope in scopes:
+        for event in store.events_read(agent_name, scope=log_scope):
+            hasher.add(event)
+            if agent is not None:
+                resource = event.resource_id or ""
+                key = label(log_scope, resource)
+                where[key] = (log_scope, resource)
+                state = states[key] if key in states else agent.initial()
+                payload = canonical(event.data)
+                states[key] = agent.apply(
+                    state, Event(event_name(agent_name, event.type), payload if isinstance(payload, dict) else {})
+                )
     if agent is None:
         return ReplayResult(agent_name, hasher.events, hasher.resources, hasher.hexdigest())
-    rebuilt = {resource: agent.encode_state(state) for resource, state in states.items()}
-    stored = _snapshots(store, agent_name, sorted(rebuilt))
+    rebuilt = {key: agent.encode_state(state) for key, state in states.items()}
+    stored = _snapshots(store, agent_name, [where[k] for k in sorted(rebuilt)])
     mismatched = tuple(
         r for r in sorted(rebuilt)
         if stored.get(r) is None or canonical(stored[r]) != canonical(rebuilt[r])
@@ -139,12 +161,12 @@ def replay(store: Store, agent_name: str, agent: Agent[Any] | None = None) -> Re
     )
 
 
-def _snapshots(store: Store, agent_name: str, resources: list[str]) -> dict[str, bytes]:
+def _snapshots(store: Store, agent_name: str, resources: list[tuple[Scope, str]]) -> dict[str, bytes]:
     found: dict[str, bytes] = {}
     for start in range(0, len(resources), _SNAPSHOT_CHUNK):
         with store.transaction() as tx:
-            for resource in resources[start : start + _SNAPSHOT_CHUNK]:
-                data = tx.state_get(agent_name, resource)
+            for scope, resource in resources[start : start + _SNAPSHOT_CHUNK]:
+                data = tx.state_get(agent_name, resource, scope=scope)
                 if data is not None:
-                    found[resource] = data
+                    found[label(scope, resource)] = data
     return found
