@@ -37,8 +37,8 @@ def replay(
     The state hash is SHA-256 over a canonical encoding of the events. With MODULE:AGENT
     the events are also folded into state and compared with the stored snapshots; a
     mismatch exits 1. Every tenant's and namespace's log is replayed unless --tenant
-    (and --namespace) name one; resources of other than the default scope show as
-    ``tenant/namespace/id``.
+    (and --namespace) name one; when several are replayed, resources outside the default
+    scope show as ``tenant/namespace/id``.
     """
     from meshforge.config import load_settings
     from meshforge.runtime.agent import Agent

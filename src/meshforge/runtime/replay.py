@@ -2,9 +2,11 @@
 
 The state hash is SHA-256 over a canonical encoding of the agent's events: each event
 is the sorted-keys JSON of ``[event_id, type, resource_id, data]``; a resource's events
-are hashed in log order, then the per-resource digests in resource order. A resource is
-named by its scope too (tenant and namespace; the default scope adds nothing, so a
-single-tenant store keeps the hash it always had): two tenants' ``o-1`` are two resources. So the hash
+are hashed in log order, then the per-resource digests in resource order. Each (tenant,
+namespace) has its own log. Replaying one log (or an agent that has only one) names
+resources by their id, exactly as before logs were scoped; replaying several names each
+resource outside the default scope ``tenant/namespace/id`` (in the hash and in
+``states``), so two tenants' ``o-1`` are two resources. So the hash
 depends only on what happened to each resource and in which order, never on how
 commands of different resources interleaved, how often they were delivered, where
 workers crashed or how batches were cut.
@@ -48,24 +50,27 @@ def canonical(data: bytes) -> Any:
         return {"$hex": bytes(data).hex()}
 
 
-def label(scope: Scope, resource: str) -> str:
-    """How a resource is shown: its id in the default scope, else ``tenant/namespace/id``."""
-    return resource if scope == DEFAULT_SCOPE else f"{scope.tenant}/{scope.namespace}/{resource}"
-
-
-def _hash_key(scope: Scope, resource: str) -> tuple[str, ...]:
-    return (resource,) if scope == DEFAULT_SCOPE else (scope.tenant, scope.namespace, resource)
+def label(scope: Scope, resource: str, *, named: bool = True) -> str:
+    """How a resource is shown: ``tenant/namespace/id`` when ``named`` and outside the
+    default scope, else its id."""
+    if not named or scope == DEFAULT_SCOPE:
+        return resource
+    return f"{scope.tenant}/{scope.namespace}/{resource}"
 
 
 class StateHasher:
-    """Accumulates events (each resource's in log order) into the state hash."""
+    """Accumulates events (each resource's in log order) into the state hash; ``named``
+    keys resources by their scope too (for several logs at once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, named: bool = False) -> None:
         self._per_resource: dict[tuple[str, ...], Any] = {}
+        self._named = named
         self.events = 0
 
     def add(self, event: StoredEvent) -> None:
-        resource = _hash_key(event.scope, event.resource_id or "")
+        scope, resource_id = event.scope, event.resource_id or ""
+        named = self._named and scope != DEFAULT_SCOPE
+        resource = (scope.tenant, scope.namespace, resource_id) if named else (resource_id,)
         digest = self._per_resource.get(resource)
         if digest is None:
             digest = self._per_resource[resource] = hashlib.sha256()
@@ -85,9 +90,9 @@ class StateHasher:
         return total.hexdigest()
 
 
-def state_hash(events: Iterable[StoredEvent]) -> str:
-    """The state hash of events given in log order."""
-    hasher = StateHasher()
+def state_hash(events: Iterable[StoredEvent], *, named: bool = False) -> str:
+    """The state hash of events given in log order (see ``StateHasher`` for ``named``)."""
+    hasher = StateHasher(named=named)
     for event in events:
         hasher.add(event)
     return hasher.hexdigest()
@@ -125,16 +130,17 @@ def replay(
     """Read the agent's events in order (of one scope, or of every scope's log); hash them
     and, given the agent, fold them into states and compare each with the snapshot the
     store holds (blocking; use a thread). States are keyed by ``label(scope, resource)``."""
-    hasher = StateHasher()
+    scopes = [scope] if scope is not None else [s for s, _ in store.logs(agent_name)]
+    named = len(scopes) > 1
+    hasher = StateHasher(named=named)
     states: dict[str, Any] = {}
     where: dict[str, tuple[Scope, str]] = {}
-    scopes = [scope] if scope is not None else [s for s, _ in store.logs(agent_name)]
     for log_scope in scopes:
         for event in store.events_read(agent_name, scope=log_scope):
             hasher.add(event)
             if agent is not None:
                 resource = event.resource_id or ""
-                key = label(log_scope, resource)
+                key = label(log_scope, resource, named=named)
                 where[key] = (log_scope, resource)
                 state = states[key] if key in states else agent.initial()
                 payload = canonical(event.data)
@@ -144,7 +150,7 @@ def replay(
     if agent is None:
         return ReplayResult(agent_name, hasher.events, hasher.resources, hasher.hexdigest())
     rebuilt = {key: agent.encode_state(state) for key, state in states.items()}
-    stored = _snapshots(store, agent_name, [where[k] for k in sorted(rebuilt)])
+    stored = _snapshots(store, agent_name, {k: where[k] for k in sorted(rebuilt)})
     mismatched = tuple(
         r for r in sorted(rebuilt)
         if stored.get(r) is None or canonical(stored[r]) != canonical(rebuilt[r])
@@ -161,12 +167,16 @@ def replay(
     )
 
 
-def _snapshots(store: Store, agent_name: str, resources: list[tuple[Scope, str]]) -> dict[str, bytes]:
+def _snapshots(
+    store: Store, agent_name: str, resources: dict[str, tuple[Scope, str]]
+) -> dict[str, bytes]:
     found: dict[str, bytes] = {}
-    for start in range(0, len(resources), _SNAPSHOT_CHUNK):
+    keys = list(resources)
+    for start in range(0, len(keys), _SNAPSHOT_CHUNK):
         with store.transaction() as tx:
-            for scope, resource in resources[start : start + _SNAPSHOT_CHUNK]:
+            for key in keys[start : start + _SNAPSHOT_CHUNK]:
+                scope, resource = resources[key]
                 data = tx.state_get(agent_name, resource, scope=scope)
                 if data is not None:
-                    found[label(scope, resource)] = data
+                    found[key] = data
     return found
