@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from meshforge.outbox import OutboxRelay
     from meshforge.publisher import Publisher, PublishResult
     from meshforge.runtime import Agent, Engine, Event, Send, command, replay
+    from meshforge.scope import Scope
     from meshforge.server import EmbeddedServer
     from meshforge.store import open_store
     from meshforge.topology import agent_consumer, default_streams, ensure, node_consumer, verify
@@ -84,6 +85,7 @@ _WHERE = {
     "command": "runtime",
     "replay": "runtime",
     "EmbeddedServer": "server",
+    "Scope": "scope",
     "open_store": "store",
     "agent_consumer": "topology",
     "default_streams": "topology",
@@ -119,6 +121,7 @@ __all__ = [
     "Publisher",
     "Rejected",
     "Retry",
+    "Scope",
     "Send",
     "Settings",
     "Unrecoverable",
