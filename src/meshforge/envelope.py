@@ -93,6 +93,7 @@ _STR_FIELDS = (
     "not_before_ts", "deadline_ts",
 )  # fmt: skip
 _OPTIONAL_OUT = ("not_before_ts", "deadline_ts", "expected_node_epoch")
+_LOCAL_FIELDS = ("extra", "body_tenant_id")
 
 
 @dataclass(slots=True)
@@ -117,6 +118,9 @@ class Envelope:
     deadline_ts: str | None = None
     expected_node_epoch: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # What the received body said about the tenant, before the header or subject won;
+    # never encoded: admission compares it with the subject.
+    body_tenant_id: str | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def new(cls, type: str, payload: Mapping[str, Any] | None = None, **fields_: Any) -> Self:
@@ -169,7 +173,7 @@ class Envelope:
         out: dict[str, Any] = dict(self.extra)
         for f in fields(self):
             name = f.name
-            if name == "extra":
+            if name in _LOCAL_FIELDS:
                 continue
             value = getattr(self, name)
             if value is None and name in _OPTIONAL_OUT:
@@ -230,6 +234,9 @@ def decode(
 ) -> Envelope:
     """Parse an envelope; headers win over the body for the same fact.
 
+    The body's own ``tenant_id`` is kept in ``body_tenant_id`` so admission can compare
+    header, body and subject (the subject decides; see ``meshforge.scope``).
+
     A missing ``id`` becomes the ``Nats-Msg-Id`` header or an id derived from the bytes
     (so redeliveries agree); a missing ``ts`` becomes ``default_ts`` (e.g. the stream's
     stored time) or now. Raises :class:`MalformedMessage` and nothing else.
@@ -261,7 +268,7 @@ def decode(
         if value and not _valid_ts(value):
             raise MalformedMessage(f"'{name}' is not an RFC 3339 timestamp: {value[:64]!r}")
 
-    known = {f.name for f in fields(Envelope)} - {"extra"}
+    known = {f.name for f in fields(Envelope)} - set(_LOCAL_FIELDS)
     extra = {k: v for k, v in obj.items() if k not in known}
     env_id = obj.get("id") or h.get(H_MSG_ID) or str(uuid.uuid5(_ID_NAMESPACE, bytes(data).hex()))
     trace = parse_traceparent(h.get(H_TRACEPARENT))
@@ -284,4 +291,5 @@ def decode(
         deadline_ts=obj.get("deadline_ts"),
         expected_node_epoch=epoch,
         extra=extra,
+        body_tenant_id=obj.get("tenant_id") or None,
     )
