@@ -404,6 +404,7 @@ class Publisher:
         except InvalidSubject as exc:
             raise PublishError(str(exc), kind="invalid_subject") from None
         if isinstance(data, Envelope):
+            data = data.addressed_to(subject)
             body = data.encode()
             hdrs = data.headers()
             hdrs.update(headers or {})
