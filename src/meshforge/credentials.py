@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import ssl
@@ -62,9 +63,12 @@ def check_nkey_seed(seed: str, label: str = "nkey_seed") -> str:
     value = seed.strip()
     try:
         prefix, _raw = nkeys.decode_seed(bytearray(value.encode()))
+        # nkeys does not check the seed's CRC: a mistyped seed would only fail at login
+        decoded = base64.b32decode(value + "=" * (-len(value) % 8))
+        intact = bytes(nkeys.crc16_checksum(decoded[:-2])) == decoded[-2:]
     except Exception:  # nkeys raises its own error kinds (and binascii's) on any bad seed
-        prefix = None
-    if prefix != nkeys.PREFIX_BYTE_USER:
+        prefix, intact = None, False
+    if prefix != nkeys.PREFIX_BYTE_USER or not intact:
         raise ConfigError(
             f"{label}: expected an NKey user seed (58 characters starting with SU), "
             f"got a value of {len(value)} characters that is not one (not shown)"
