@@ -177,3 +177,24 @@ async def test_refused_port_retries_with_a_progress_line(caplog: pytest.LogCaptu
     assert lines[0].startswith(f"NATS at {url} not reachable (")
     assert "retrying in" in lines[0] and "(attempt 1 of 3)" in lines[0]
     assert "(attempt 2 of 3)" in lines[1]
+
+
+async def test_secrets_stay_out_of_logs_health_and_repr(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("DEBUG")  # every logger, the client library's too
+    secret = "Pw-in-url-9931"
+    config = f"authorization {{ user: alice, password: {secret} }}\n"
+    with configured_server(tmp_path, config) as server:
+        url = server.url.replace("nats://", f"nats://alice:{secret}@")
+        s = settings(nats_url=url, user="alice", password=secret)
+        async with await connect(s, url=url) as conn:
+            shown = [repr(s), str(await conn.health())]
+        server.stop()  # reconnect warnings name the server as well
+        with pytest.raises(ConnectionFailed) as info:
+            await connect(s, url=url)
+        shown.append(str(info.value))
+    shown += [record.getMessage() for record in caplog.records]
+    assert any("not reachable" in text for text in shown)
+    for text in shown:
+        assert secret not in text, text

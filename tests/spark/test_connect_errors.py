@@ -21,7 +21,7 @@ BOUND = 2 + 1.5 + 20
 def test_source_and_sink_fail_bounded_without_the_password(spark: SparkSession, tmp_path: Path) -> None:
     retry = {"connect_timeout": "1", "connect_attempts": "2"}
     started = time.monotonic()
-    with pytest.raises(Exception) as read_error:  # noqa: B017  # Spark wraps the Python error
+    with pytest.raises(Exception) as read_error:  # Spark wraps the Python error
         (spark.read.format("jetstream").options(**retry)
          .option("servers", f"nats://alice:{PASSWORD}@127.0.0.1:1")
          .option("stream", "MESHFORGE_EVENTS").load().count())  # fmt: skip
@@ -34,7 +34,7 @@ def test_source_and_sink_fail_bounded_without_the_password(spark: SparkSession, 
     with EmbeddedServer(store_dir=tmp_path / "nats", extra_args=args) as server:
         df = spark.createDataFrame([("evt.default.t.a.b", "{}")], "subject string, payload string")
         started = time.monotonic()
-        with pytest.raises(Exception) as write_error:  # noqa: B017
+        with pytest.raises(Exception) as write_error:
             (df.write.format("jetstream").mode("append").options(**retry)
              .option("servers", server.url).option("user", "alice")
              .option("password", PASSWORD).save())  # fmt: skip
