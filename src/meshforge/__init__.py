@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from meshforge.runtime import Agent, Engine, Event, Send, command, replay
     from meshforge.server import EmbeddedServer
     from meshforge.store import open_store
+    from meshforge.sync_publisher import SyncPublisher
     from meshforge.topology import agent_consumer, default_streams, ensure, node_consumer, verify
 
 _WHERE = {
@@ -85,6 +86,7 @@ _WHERE = {
     "replay": "runtime",
     "EmbeddedServer": "server",
     "open_store": "store",
+    "SyncPublisher": "sync_publisher",
     "agent_consumer": "topology",
     "default_streams": "topology",
     "ensure": "topology",
@@ -121,6 +123,7 @@ __all__ = [
     "Retry",
     "Send",
     "Settings",
+    "SyncPublisher",
     "Unrecoverable",
     "agent_consumer",
     "command",

@@ -60,8 +60,11 @@ def meshforge(cwd: Path, args: list[str], **env: str) -> tuple[int, str, float]:
     return done.returncode, done.stdout + done.stderr, time.monotonic() - started
 
 
-def assert_one_line_failure(code: int, out: str, took: float, *expected: str) -> None:
-    assert code == 1, out
+def assert_one_line_failure(
+    code: int, out: str, took: float, *expected: str, exit_code: int = 1
+) -> None:
+    """Exit 1 for a failed connection, 2 for a bad setting; one ``error:`` line, in time."""
+    assert code == exit_code, out
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, out
     assert "Traceback" not in out, out
@@ -161,7 +164,8 @@ def test_secrets_never_printed_by_failing_runs(workdir: Path, token_server: Embe
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda run: meshforge(workdir, run[0], **run[1]), runs))
         for (_args, _env, expected), (code, out, took) in zip(runs, results, strict=True):
-            assert_one_line_failure(code, out, took, expected)
+            usage = expected in ("expected a URL", "store_url", "MESHFORGE_NKEY_SEED", "only one of")
+            assert_one_line_failure(code, out, took, expected, exit_code=2 if usage else 1)
             printed.append(out)
     everything = {"MESHFORGE_PASSWORD": PASSWORD, "MESHFORGE_USER": "alice", "MESHFORGE_TOKEN": TOKEN,
                   "MESHFORGE_NKEY_SEED": SEED, "MESHFORGE_NATS_URL": f"nats://alice:{PASSWORD}@h:1"}  # fmt: skip

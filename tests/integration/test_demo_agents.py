@@ -172,7 +172,7 @@ def test_meshforge_demo_tells_the_whole_story(tmp_path: Path) -> None:
             for line in text.splitlines() if line.count("│") == 3}  # fmt: skip
     assert rows["commands sent"] == "300" and rows["orders created"] == "300"
     assert rows["duplicate effects"] == "0" and rows["lost commands"] == "0"
-    assert rows["order state hash after replay"].endswith("✅")
+    assert rows["order snapshot hash, replayed"].endswith("✅")
     assert (tmp_path / ".meshforge" / "demo" / "store.db").exists()
     # The story ends with the Spark ingest and audit over this run's events.
     assert "audit: exactly-once holds over what landed" in text, text[-3000:]

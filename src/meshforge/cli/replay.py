@@ -29,8 +29,8 @@ def replay(
     """Print an agent's event count and state hash, rebuilt from its event log.
 
     The state hash is SHA-256 over a canonical encoding of the events. With MODULE:AGENT
-    the events are also folded into state and compared with the stored snapshots; a
-    mismatch exits 1.
+    the events are also folded into state and compared with the stored snapshots (the
+    snapshot hash, stored and replayed); a mismatch exits 1.
     """
     from meshforge.config import load_settings
     from meshforge.runtime.agent import Agent
@@ -63,6 +63,8 @@ def replay(
         typer.echo(f"agent {result.agent}: {result.events} events over {result.resources} resources")
         typer.echo(f"state hash: sha256:{result.state_hash}")
         if instance is not None:
+            typer.echo(f"snapshot hash, stored: sha256:{result.stored_hash}")
+            typer.echo(f"snapshot hash, replayed: sha256:{result.snapshot_hash}")
             if result.consistent:
                 typer.echo(f"snapshots: {result.resources} rebuilt from events, all equal to the stored state")
             else:
