@@ -88,7 +88,7 @@ async def test_nkey_seed_as_setting_and_as_file(tmp_path: Path) -> None:
 
 async def test_a_malformed_seed_is_a_config_error_that_hides_it(tmp_path: Path) -> None:
     account_seed = new_key(nkeys.PREFIX_BYTE_ACCOUNT).seed  # a seed, but not a user's
-    for bad in ("SUNOTASEED", account_seed):
+    for bad in ("SUNOTASEED", account_seed, mistyped(new_key(nkeys.PREFIX_BYTE_USER).seed)):
         with pytest.raises(
             ConfigError, match=r"^MESHFORGE_NKEY_SEED: expected an NKey user seed"
         ) as info:
@@ -198,3 +198,24 @@ async def test_secrets_stay_out_of_logs_health_and_repr(
     assert any("not reachable" in text for text in shown)
     for text in shown:
         assert secret not in text, text
+
+
+def test_spark_connection_options_hide_secrets() -> None:
+    from meshforge.spark.nats_sync import ConnOptions
+
+    seed = new_key(nkeys.PREFIX_BYTE_USER).seed
+    options = {"servers": "nats://alice:pw-1@h:1", "user": "alice", "password": "pw-1",
+               "token": "tok-1", "nkey_seed": seed, "connect_timeout": "2s"}  # fmt: skip
+    conn = ConnOptions.from_options(options)
+    assert (conn.connect_timeout, conn.connect_attempts) == (2.0, 3)
+    for secret in ("pw-1", "tok-1", seed):
+        assert secret not in repr(conn)
+    assert conn.url == "nats://***@h:1"
+    with pytest.raises(ConfigError, match=r"^jetstream: nkey_seed: expected an NKey user seed") as info:
+        ConnOptions.from_options({**options, "nkey_seed": mistyped(seed)})
+    assert seed[:10] not in str(info.value)
+
+
+def mistyped(seed: str) -> str:
+    """The seed with one character changed: its CRC no longer matches."""
+    return seed[:10] + ("A" if seed[10] != "A" else "B") + seed[11:]

@@ -18,13 +18,14 @@ import concurrent.futures
 import json
 import os
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from meshforge.config import parse_duration
 from meshforge.connect_retry import attempt_connect, close_bounded, retry_connect
 from meshforge.credentials import NatsAuth, nats_auth_options, redact_url
 from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology, one_line
@@ -51,13 +52,14 @@ def lower_keys(options: Mapping[str, str]) -> dict[str, str]:
 
 
 def _number(options: Mapping[str, str], name: str, default: str, cast: type[float] | type[int]) -> Any:
+    """A positive option value; durations such as ``"2s"`` too, as the settings take them."""
     raw = options.get(name) or os.environ.get(f"MESHFORGE_{name.upper()}") or default
     try:
-        value = cast(raw)
-    except ValueError:
+        value = parse_duration(raw) if cast is float else int(raw)
+    except (ConfigError, ValueError):
         value = 0
     if value <= 0:
-        kind = "a number > 0" if cast is float else "an integer >= 1"
+        kind = "a duration > 0 such as 5 or '2s'" if cast is float else "an integer >= 1"
         raise ConfigError(f"jetstream: option '{name}' must be {kind}, got {raw!r}")
     return value
 
@@ -103,6 +105,15 @@ class ConnOptions:
         )
         conn.auth_kwargs()  # a missing file or a bad seed fails here, on the driver
         return conn
+
+    def __repr__(self) -> str:
+        # a server URL may carry a password; secrets are left out altogether
+        shown = [f"servers={self.url!r}"] + [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.repr and f.name != "servers"
+        ]
+        return f"ConnOptions({', '.join(shown)})"
 
     @property
     def url(self) -> str:
