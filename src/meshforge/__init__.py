@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from meshforge.outbox import OutboxRelay
     from meshforge.publisher import Publisher, PublishResult
     from meshforge.runtime import Agent, Engine, Event, Send, command, replay
+    from meshforge.scope import Scope
     from meshforge.server import EmbeddedServer
     from meshforge.store import open_store
     from meshforge.sync_publisher import SyncPublisher
@@ -85,6 +86,7 @@ _WHERE = {
     "command": "runtime",
     "replay": "runtime",
     "EmbeddedServer": "server",
+    "Scope": "scope",
     "open_store": "store",
     "SyncPublisher": "sync_publisher",
     "agent_consumer": "topology",
@@ -121,6 +123,7 @@ __all__ = [
     "Publisher",
     "Rejected",
     "Retry",
+    "Scope",
     "Send",
     "Settings",
     "SyncPublisher",

@@ -8,7 +8,10 @@ Example::
 
 Several workers of one agent may run at once (on several machines): they share the
 agent's durable consumer, and the store (PostgreSQL for more than one machine) keeps
-each command's effect single.
+each command's effect single. A worker bound to a tenant or namespace (``Settings.tenant``,
+``MESHFORGE_TENANT``; ``namespace``) has its own durable, ``<agent>_consumer_<tenant>_<ns>``;
+it cannot run beside an unbound worker of the same agent, whose filter overlaps its own
+on the work-queue stream: provisioning refuses that, naming both consumers.
 """
 
 from __future__ import annotations
