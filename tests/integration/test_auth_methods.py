@@ -17,7 +17,8 @@ from meshforge.errors import ConfigError, ConnectionFailed
 
 TIMEOUT, ATTEMPTS = 1.0, 2
 # every attempt may take connect_timeout; a failed one adds a bounded close and backoff
-BOUND = TIMEOUT * ATTEMPTS + 1.5
+# (and slack for a loaded machine)
+BOUND = TIMEOUT * ATTEMPTS + 3.0
 
 
 def settings(**values: object) -> Settings:
