@@ -18,7 +18,11 @@ NatsUrl = Annotated[
     typer.Option(
         "--nats-url",
         envvar="MESHFORGE_NATS_URL",
-        help="NATS server URL; without one an embedded server is started under ./.meshforge/.",
+        help=(
+            "NATS server URL; without one an embedded server is started under ./.meshforge/. "
+            "Credentials and TLS come from MESHFORGE_USER/_PASSWORD, _TOKEN, _NKEY_SEED(_FILE), "
+            "_CREDS_FILE, _TLS_CA/_CERT/_KEY (see docs/SECURITY.md)."
+        ),
         show_default=False,
     ),
 ]
