@@ -25,7 +25,7 @@ import errno
 import json as jsonlib
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any, ClassVar
@@ -129,6 +129,12 @@ class Metrics:
         self.inbox_rows = Gauge(
             "meshforge_inbox_rows", "Inbox rows kept in the store, by status.", ["status"], registry=r
         )
+        self.effects_rows = Gauge(
+            "meshforge_effects_rows",
+            "Agents' stored effects (idempotency keys), published or not yet.",
+            ["status"],
+            registry=r,
+        )
         self.node_commands = Counter(
             "meshforge_node_commands",
             "Commands a node took from its mailbox, by command type.",
@@ -148,6 +154,18 @@ class Metrics:
         if cls._default is None:
             cls._default = cls()
         return cls._default
+
+    def prepare_consumer(self, consumer: str, reasons: Sequence[str] = ()) -> None:
+        """Export a consumer's series at 0 before its first message, so ``increase()`` in an
+        alert sees the first dead letter (a series born at 1 shows no increase)."""
+        for counter in (
+            self.consumed, self.acked, self.naked, self.redeliveries,
+            self.deliveries_exhausted, self.duplicates_skipped,
+        ):  # fmt: skip
+            counter.labels(consumer=consumer)
+        self.in_flight.labels(consumer=consumer)
+        for reason in reasons:
+            self.dead_lettered.labels(consumer=consumer, reason=reason)
 
     def track(self, ready: Callable[[], bool], connected: Callable[[], bool]) -> None:
         """Make ``meshforge_ready`` and ``meshforge_nats_connected`` read these at each scrape."""

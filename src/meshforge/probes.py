@@ -26,6 +26,7 @@ from meshforge.observability import Metrics
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
+    from prometheus_client import Gauge
 
     from meshforge.store.base import Store, Transaction
 
@@ -36,6 +37,10 @@ log = logging.getLogger("meshforge.probes")
 DEFAULT_PROBE_INTERVAL = 15.0
 _INFO_TIMEOUT = 2.0
 _INBOX_COUNT = "SELECT status, COUNT(*) FROM meshforge_inbox GROUP BY status"
+_EFFECTS_COUNT = (
+    "SELECT CASE WHEN published_at IS NULL THEN 'unpublished' ELSE 'published' END AS state,"
+    " COUNT(*) FROM meshforge_effects GROUP BY state"
+)
 
 
 class Probes:
@@ -55,6 +60,7 @@ class Probes:
         self.store = store
         self._failing: set[str] = set()
         self._statuses: set[str] = set()
+        self._effect_states: set[str] = set()
 
     async def sample(self) -> None:
         """One round: every consumer's info, then the inbox count."""
@@ -75,20 +81,25 @@ class Probes:
             await self._sample_inbox(self.store)
 
     async def _sample_inbox(self, store: Store) -> None:
-        def count(tx: Transaction) -> list[tuple[object, ...]]:
-            return tx.execute(_INBOX_COUNT)
+        def count(tx: Transaction) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
+            return tx.execute(_INBOX_COUNT), tx.execute(_EFFECTS_COUNT)
 
         try:
-            rows = await asyncio.to_thread(store.run, count)
+            inbox, effects = await asyncio.to_thread(store.run, count)
         except Exception as exc:  # a busy or missing store must not stop the worker
             self._failed("inbox count", exc)
             return
         self._recovered("inbox count")
+        self._set(self.metrics.inbox_rows, inbox, self._statuses)
+        self._set(self.metrics.effects_rows, effects, self._effect_states)
+
+    @staticmethod
+    def _set(gauge: Gauge, rows: list[tuple[object, ...]], known: set[str]) -> None:
         seen = {str(status): int(str(n)) for status, n in rows}
         # A status that emptied reads 0 rather than keeping its last count.
-        for status in self._statuses | set(seen):
-            self.metrics.inbox_rows.labels(status=status).set(seen.get(status, 0))
-        self._statuses |= set(seen)
+        for status in known | set(seen):
+            gauge.labels(status=status).set(seen.get(status, 0))
+        known |= set(seen)
 
     async def run(self, interval: float = DEFAULT_PROBE_INTERVAL) -> None:
         """Sample every ``interval`` seconds until cancelled."""

@@ -38,6 +38,7 @@ from meshforge.control.client import node_durable
 from meshforge.control.node import CommandContext, Node
 from meshforge.control.presence import Presence
 from meshforge.control.reply import Status, reply_envelope
+from meshforge.deadletter import REASONS
 from meshforge.envelope import Envelope, decode
 from meshforge.errors import Expired, MalformedMessage, Rejected, Retry, Unrecoverable, one_line
 from meshforge.faults import crash_point
@@ -151,6 +152,7 @@ class NodeRuntime:
                 self.settings.reply_retention, interval=self.cleanup_interval,
             )
         )  # fmt: skip
+        self.metrics.prepare_consumer(self.durable, REASONS)
         probes = Probes(self.conn.js, self.metrics, [(self.spec.stream, self.durable)], store=self.store)
         probing = asyncio.create_task(probes.run(self.probe_interval))
         try:

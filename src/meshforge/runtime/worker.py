@@ -26,6 +26,7 @@ from typing import Any
 from meshforge.config import Settings, load_settings
 from meshforge.connection import Connection, connect
 from meshforge.consumer import Consumer
+from meshforge.deadletter import REASONS
 from meshforge.errors import ConfigError, one_line
 from meshforge.observability import HttpEndpoint, Metrics, serve_http
 from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
@@ -177,6 +178,8 @@ class Worker:
             needed = [s for s in default_streams(settings) if s.name in _AGENT_STREAMS]
             await verify(conn.js, needed, specs)
         publisher = Publisher(conn.js, settings, self.metrics)
+        for spec in specs:
+            self.metrics.prepare_consumer(spec.durable, REASONS)
         for agent, spec in zip(self.agents, specs, strict=True):
             engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
             self._engines.append(engine)
