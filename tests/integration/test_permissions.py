@@ -24,6 +24,7 @@ from meshforge.server import EmbeddedServer
 from meshforge.spark.fetch import read_range
 from meshforge.spark.nats_sync import ConnOptions, SyncNats
 from meshforge.subjects import STREAM_EVENTS, STREAM_REPLIES
+from meshforge.topology import agent_consumer
 from polling import wait_until
 
 ROLES = ("admin", "agent", "node", "publisher", "spark")
@@ -177,9 +178,10 @@ def without(block: str, role: str, subject: str) -> str:
     return head + user + rest.replace(line, "", 1)
 
 
+AGENT_DURABLE = agent_consumer("order", load_settings({"tenant": "default"}, env={})).durable
 CASES = {
     "admin": ("$JS.API.>", ["provision", "--agent", "order"]),
-    "agent": ("$JS.API.CONSUMER.INFO.MESHFORGE_COMMANDS.order_consumer",
+    "agent": (f"$JS.API.CONSUMER.INFO.MESHFORGE_COMMANDS.{AGENT_DURABLE}",
               ["run", "meshforge.demo:OrderAgent", "--no-provision"]),
     "node": ("$JS.API.CONSUMER.INFO.MESHFORGE_CONTROL.node_lab1_n1", ["node", "lab1", "n1", "--no-provision"]),
     "publisher": ("cmd.default.>", ["publish", "cmd.default.demo.order.create", '{"sku": "S", "qty": 1}']),

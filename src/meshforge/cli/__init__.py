@@ -52,8 +52,8 @@ def _root(
 
 # Sub-commands, each in its own module with a ``register(app)`` function.
 _COMMANDS = (
-    "server", "provision", "publish", "run", "replay", "dlq", "node", "ctl", "pipeline", "demo",
-    "permissions",
+    "init", "server", "provision", "publish", "run", "relay", "replay", "dlq", "node", "ctl",
+    "pipeline", "demo", "permissions",
 )  # fmt: skip
 
 for _name in _COMMANDS:
