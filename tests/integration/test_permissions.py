@@ -217,3 +217,27 @@ def test_spark_without_stream_info_is_one_line(serve: object) -> None:
     message = str(info.value)
     # The spark client does not surface the server's -ERR: the line names the denied request.
     assert "\n" not in message and "$JS.API.STREAM.INFO.MESHFORGE_EVENTS" in message, message
+
+
+async def test_healthz_without_js_api_info_is_a_permission_violation(serve: object, tmp_path: Path) -> None:
+    """Why the agent role has $JS.API.INFO: without it, every /healthz is a violation."""
+    server: EmbeddedServer = serve(without(printed(*ROLES), "agent", "$JS.API.INFO"))  # type: ignore[operator]
+    done = run_cli("provision", "--agent", "order", role="admin", url=server.url)
+    assert done.returncode == 0, done.stderr
+    port = free_port()
+    worker = Child(
+        ["run", "meshforge.demo:OrderAgent", "--no-provision", "--metrics-port", str(port),
+         "--store", f"sqlite:///{tmp_path / 'worker.db'}", "--nats-url", server.url],
+        tmp_path / "worker.log", env=creds("agent"),
+    )  # fmt: skip
+    try:
+        await wait_until(lambda: _ready(port), 30, "the worker's /readyz")
+        _, body = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}/healthz")
+        assert "error" in json.loads(body)["jetstream"]
+        await wait_until(lambda: any("$JS.API.INFO" in v for v in violations(server)), 10, "the violation")
+    finally:
+        assert worker.stop() == 0, worker.output()
+
+
+async def _ready(port: int) -> bool:
+    return await asyncio.to_thread(status, port, "/readyz") == 200
