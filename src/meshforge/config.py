@@ -86,6 +86,7 @@ class Settings:
     namespace: str | None = None
     shutdown_timeout: float = 30.0
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     inbox_retention: float = 7 * 86400.0
     outbox_retention: float = 86400.0
     reply_retention: float = 30 * 86400.0
@@ -297,6 +298,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "namespace": _subject_token,
     "shutdown_timeout": _duration(positive=False),
     "metrics_port": _int_between(0, 65535),
+    "metrics_host": _text,
     "inbox_retention": _duration(positive=False),
     "outbox_retention": _duration(positive=False),
     "reply_retention": _duration(positive=False),

@@ -37,6 +37,31 @@ StoreUrl = Annotated[
     ),
 ]
 
+NoProvision = Annotated[
+    bool,
+    typer.Option("--no-provision", help="Use existing streams and consumers; fail if missing."),
+]
+
+MetricsPort = Annotated[
+    int | None,
+    typer.Option(
+        "--metrics-port",
+        min=0,
+        max=65535,
+        help="Serve /healthz /readyz /metrics on this port (0: a free one).",
+        show_default=False,
+    ),
+]
+
+MetricsHost = Annotated[
+    str | None,
+    typer.Option(
+        "--metrics-host",
+        help="Address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 for every interface).",
+        show_default=False,
+    ),
+]
+
 HOME = Path(os.environ.get("MESHFORGE_HOME", ".meshforge"))
 SERVER_FILE = "server.json"
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from nats.js import JetStreamContext
 
     from meshforge.config import Settings
+    from meshforge.observability import Metrics
     from meshforge.outbox import OutboxRelay
     from meshforge.store.base import Store
 
@@ -56,9 +57,17 @@ def relay(
 
 
 async def run_relay(
-    store: Store, settings: Settings, stop: asyncio.Event, *, batch_size: int = 100, idle: float = 1.0
+    store: Store,
+    settings: Settings,
+    stop: asyncio.Event,
+    *,
+    batch_size: int = 100,
+    idle: float = 1.0,
+    metrics: Metrics | None = None,
 ) -> int:
-    """Run an ``OutboxRelay`` on its own connection until ``stop`` is set; returns rows sent."""
+    """Run an ``OutboxRelay`` on its own connection until ``stop`` is set; returns rows sent.
+
+    ``metrics``: where it counts (e.g. the worker's, so its endpoint shows the outbox depth)."""
     from meshforge.connection import connect
     from meshforge.outbox import OutboxRelay
     from meshforge.publisher import Publisher
@@ -66,7 +75,7 @@ async def run_relay(
     async with await connect(settings, name="meshforge-relay") as conn:
         await _streams(conn.js, settings)
         outbox: OutboxRelay = OutboxRelay(
-            store, Publisher(conn.js, settings), batch_size=batch_size, idle=idle
+            store, Publisher(conn.js, settings, metrics), batch_size=batch_size, idle=idle
         )
         task = asyncio.create_task(outbox.run())
         waiter = asyncio.create_task(stop.wait())
