@@ -100,6 +100,7 @@ async def _provision(
 
     from meshforge.connection import connect
     from meshforge.provision import apply, plan
+    from meshforge.subjects import STREAM_CONTROL
 
     console = Console()
     async with await connect(settings, url=url, name="meshforge-provision") as conn:
@@ -110,6 +111,12 @@ async def _provision(
             console.print(
                 f"applied {len(report.applied)} change(s)" if report.changed else "no changes"
             )
+            if any(c.stream == STREAM_CONTROL for c in consumers):
+                # Nodes announce themselves there; a node without API rights cannot make it.
+                from meshforge.control.presence import NODES_BUCKET, nodes_bucket
+
+                await nodes_bucket(conn.js, create=True, replicas=settings.replicas)
+                console.print(f"presence bucket {NODES_BUCKET} ready")
         elif planned.has_changes:
             console.print(f"dry run: {len(planned.pending)} change(s) planned, nothing applied")
         else:
