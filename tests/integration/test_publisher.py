@@ -56,7 +56,8 @@ async def own_subject(streams: JetStreamContext) -> AsyncIterator[str]:
 async def test_envelope_publish_and_duplicate(streams: JetStreamContext, own_subject: str) -> None:
     metrics = Metrics()
     pub = Publisher(streams, settings(), metrics)
-    env = Envelope.new("order.created", {"order_id": "o-1"})
+    # The subject names the tenant: an envelope left at the default is sent as that tenant's.
+    env = Envelope.new("order.created", {"order_id": "o-1"}, tenant_id="pubtest")
     first = await pub.publish(own_subject, env)
     assert (first.stream, first.duplicate, first.msg_id) == (STREAM_EVENTS, False, env.id)
     again = await pub.publish(own_subject, env)
