@@ -49,17 +49,32 @@ def _running_embedded(home: Path) -> str | None:
 
 
 @contextlib.contextmanager
+def announced(home: Path, pid: int, url: str) -> Iterator[None]:
+    """Write ``home/server.json`` so other commands find the server; remove it only if still ours."""
+    marker = home / SERVER_FILE
+    marker.write_text(json.dumps({"pid": pid, "url": url}))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(marker.read_text()).get("pid") == pid:
+                marker.unlink()
+
+
+@contextlib.contextmanager
 def embedded_server(home: Path = HOME, port: int | None = None) -> Iterator[EmbeddedServer]:
-    """Start the embedded server with its data under ``home`` and announce its URL there."""
+    """Start the embedded server with its data under ``home`` and announce its URL there.
+
+    Its store directory is locked: a second server on the same ``home`` raises
+    ``ServerError`` naming the running one, before touching any file.
+    """
     server = EmbeddedServer(store_dir=home / "nats", port=port)
     server.start()
-    marker = home / SERVER_FILE
-    marker.write_text(json.dumps({"pid": server.pid, "url": server.url}))
+    assert server.pid is not None
     try:
-        yield server
+        with announced(home, server.pid, server.url):
+            yield server
     finally:
-        with contextlib.suppress(OSError):
-            marker.unlink()
         server.close()
 
 
