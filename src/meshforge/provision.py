@@ -123,12 +123,18 @@ async def plan(
     steps = [_plan_stream(spec, existing, streams) for spec in streams]
     stream_subjects = {name: list(cfg.subjects or []) for name, cfg in existing.items()}
     retention = {name: policy_name(cfg.retention) for name, cfg in existing.items()}
+    replicas_now = {name: cfg.num_replicas or 1 for name, cfg in existing.items()}
+    replicas = dict(replicas_now)
     for stream_spec in streams:
         stream_subjects[stream_spec.name] = list(stream_spec.subjects)
         retention[stream_spec.name] = stream_spec.retention
+        replicas[stream_spec.name] = stream_spec.replicas
     for consumer_spec in consumers:
+        replicas_pair = (replicas_now.get(consumer_spec.stream), replicas.get(consumer_spec.stream))
         steps.append(
-            _plan_consumer(consumer_spec, stream_subjects, retention, consumers_now, consumers)
+            _plan_consumer(
+                consumer_spec, stream_subjects, retention, consumers_now, consumers, replicas_pair
+            )
         )
     return Plan(tuple(steps))
 
@@ -176,7 +182,9 @@ def _plan_consumer(
     retention: dict[str, str],
     consumers_now: dict[str, dict[str, ConsumerConfig]],
     planned: Sequence[ConsumerSpec],
+    stream_replicas: tuple[int | None, int | None] = (None, None),
 ) -> Step:
+    """``stream_replicas``: the stream's replicas now and as planned (what replicas 0 means)."""
     def refuse(
         reason: str, *, overlap: bool = False, current: ConsumerConfig | None = None
     ) -> Step:
@@ -230,7 +238,10 @@ def _plan_consumer(
             "(its delivery state is lost) and provision again",
             current=current,
         )
-    changes = diff(describe_consumer(current), describe_consumer(spec.config()))
+    changes = diff(
+        describe_consumer(current, stream_replicas[0]),
+        describe_consumer(spec.config(), stream_replicas[1]),
+    )
     action = Action.UPDATE if changes else Action.UNCHANGED
     return Step("consumer", spec, action, changes, current=current)
 
@@ -278,6 +289,7 @@ async def _execute(js: JetStreamManager, step: Step) -> None:
             ack_wait=config.ack_wait,
             max_deliver=config.max_deliver,
             backoff=config.backoff,
+            num_replicas=config.num_replicas,
         )
     await js.add_consumer(spec.stream, config)
 
