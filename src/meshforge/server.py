@@ -120,9 +120,10 @@ class DataDirLock:
             info = {}
         if not isinstance(info, dict):
             info = {}
-        if info.get("server_pid") and info.get("url"):
-            return f"nats-server pid {info['server_pid']} at {info['url']} (started by pid {info.get('pid')})"
-        return f"pid {info.get('pid', 'unknown')}"
+        pid, url = info.get("pid", "unknown"), info.get("url")
+        if info.get("server_pid") and url:
+            return f"nats-server pid {info['server_pid']} at {url} (started by pid {pid})"
+        return f"pid {pid} serving {url}" if url else f"pid {pid}"
 
     def release(self) -> None:
         """Give the lock up (a child still holding the descriptor keeps it until it exits)."""

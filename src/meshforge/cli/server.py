@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from meshforge.cli.common import HOME, announced, embedded_server
+from meshforge.cli.common import HOME, announced, embedded_server, serving_home
+
+if TYPE_CHECKING:
+    from meshforge.cluster import EmbeddedCluster
 
 
 def register(app: typer.Typer) -> None:
@@ -62,25 +66,33 @@ def _serve_cluster(size: int, port: int | None) -> None:
     from meshforge.cluster import EmbeddedCluster
 
     data_dir = HOME / "cluster"
-    nodes = EmbeddedCluster(size, data_dir=data_dir, port=port)
-    with nodes, announced(HOME, os.getpid(), nodes.url):
-        typer.echo(
-            f"nats-server cluster {nodes.name!r} of {size} nodes on loopback, JetStream meta "
-            f"leader {nodes.meta_leader()} (data in {data_dir})"
-        )
-        for name, node in zip(nodes.names, nodes.nodes, strict=True):
-            typer.echo(f"  {name}: {node.url}")
-        typer.echo(f"use it with: export MESHFORGE_NATS_URL={nodes.url}")
-        typer.echo(f"replicate with: export MESHFORGE_REPLICAS={min(size, 3)}; meshforge provision")
-        _stop_on_sigterm()
-        try:
-            name, code = nodes.wait()
-        except KeyboardInterrupt:
-            typer.echo("stopping the cluster")
-            return
-        typer.secho(
-            f"error: node {name} exited with code {code}; stopping the cluster",
-            err=True,
-            fg=typer.colors.RED,
-        )
-        raise typer.Exit(1)
+    with (
+        serving_home(HOME) as lock,
+        EmbeddedCluster(size, data_dir=data_dir, port=port) as nodes,
+        announced(lock, os.getpid(), nodes.url),
+    ):
+        _report_and_wait(nodes, size, data_dir)
+
+
+def _report_and_wait(nodes: EmbeddedCluster, size: int, data_dir: Path) -> None:
+    """Print the nodes and client URLs, then run until a signal or a node's exit."""
+    typer.echo(
+        f"nats-server cluster {nodes.name!r} of {size} nodes on loopback, JetStream meta "
+        f"leader {nodes.meta_leader()} (data in {data_dir})"
+    )
+    for name, node in zip(nodes.names, nodes.nodes, strict=True):
+        typer.echo(f"  {name}: {node.url}")
+    typer.echo(f"use it with: export MESHFORGE_NATS_URL={nodes.url}")
+    typer.echo(f"replicate with: export MESHFORGE_REPLICAS={min(size, 3)}; meshforge provision")
+    _stop_on_sigterm()
+    try:
+        name, code = nodes.wait()
+    except KeyboardInterrupt:
+        typer.echo("stopping the cluster")
+        return
+    typer.secho(
+        f"error: node {name} exited with code {code}; stopping the cluster",
+        err=True,
+        fg=typer.colors.RED,
+    )
+    raise typer.Exit(1)
