@@ -123,17 +123,16 @@ async def plan(
     steps = [_plan_stream(spec, existing, streams) for spec in streams]
     stream_subjects = {name: list(cfg.subjects or []) for name, cfg in existing.items()}
     retention = {name: policy_name(cfg.retention) for name, cfg in existing.items()}
-    replicas_now = {name: cfg.num_replicas or 1 for name, cfg in existing.items()}
-    replicas = dict(replicas_now)
+    replicas = {name: cfg.num_replicas or 1 for name, cfg in existing.items()}
     for stream_spec in streams:
         stream_subjects[stream_spec.name] = list(stream_spec.subjects)
         retention[stream_spec.name] = stream_spec.retention
         replicas[stream_spec.name] = stream_spec.replicas
     for consumer_spec in consumers:
-        replicas_pair = (replicas_now.get(consumer_spec.stream), replicas.get(consumer_spec.stream))
+        stream_replicas = replicas.get(consumer_spec.stream)
         steps.append(
             _plan_consumer(
-                consumer_spec, stream_subjects, retention, consumers_now, consumers, replicas_pair
+                consumer_spec, stream_subjects, retention, consumers_now, consumers, stream_replicas
             )
         )
     return Plan(tuple(steps))
@@ -182,9 +181,9 @@ def _plan_consumer(
     retention: dict[str, str],
     consumers_now: dict[str, dict[str, ConsumerConfig]],
     planned: Sequence[ConsumerSpec],
-    stream_replicas: tuple[int | None, int | None] = (None, None),
+    stream_replicas: int | None = None,
 ) -> Step:
-    """``stream_replicas``: the stream's replicas now and as planned (what replicas 0 means)."""
+    """``stream_replicas``: the stream's as planned, what a consumer's replicas 0 follows."""
     def refuse(
         reason: str, *, overlap: bool = False, current: ConsumerConfig | None = None
     ) -> Step:
@@ -222,6 +221,13 @@ def _plan_consumer(
                     f"work-queue stream {spec.stream}",
                     overlap=True,
                 )
+    kind = retention.get(spec.stream)
+    if kind in ("workqueue", "interest") and spec.replicas not in (0, stream_replicas or 0):
+        return refuse(
+            f"replicas {spec.replicas} differ from stream {spec.stream}'s {stream_replicas}: "
+            f"JetStream requires a {kind} stream's consumers to have the stream's replicas "
+            f"(set consumer_replicas to {stream_replicas} or 0)"
+        )
     current = present.get(spec.durable)
     if current is None:
         return Step("consumer", spec, Action.CREATE)
@@ -239,8 +245,8 @@ def _plan_consumer(
             current=current,
         )
     changes = diff(
-        describe_consumer(current, stream_replicas[0]),
-        describe_consumer(spec.config(), stream_replicas[1]),
+        describe_consumer(current, stream_replicas),
+        describe_consumer(spec.config(), stream_replicas),
     )
     action = Action.UPDATE if changes else Action.UNCHANGED
     return Step("consumer", spec, action, changes, current=current)

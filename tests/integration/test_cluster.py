@@ -20,6 +20,7 @@ from meshforge.cluster import EmbeddedCluster
 from meshforge.config import load_settings
 from meshforge.connection import connect
 from meshforge.envelope import Envelope, Outbound
+from meshforge.errors import TopologyError
 from meshforge.publisher import Publisher
 from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
 from polling import wait_until, wait_until_sync
@@ -205,3 +206,42 @@ async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(
         if conn is not None:
             await conn.close()
         await asyncio.to_thread(cluster.close)
+
+
+async def test_consumer_replicas_follow_the_streams_or_the_setting(tmp_path: Path) -> None:
+    from meshforge.topology import agent_consumer, default_streams, ensure, plan
+
+    async with EmbeddedCluster(3, data_dir=tmp_path / "cluster") as cluster:
+        conn = await connect(load_settings({"nats_url": cluster.url}, env={}))
+        try:
+            js = conn.js
+
+            async def provision(**values: object) -> list[str]:
+                settings = load_settings(values, env={})
+                streams, consumers = default_streams(settings), [agent_consumer("order", settings)]
+                planned = await plan(js, streams, consumers)
+                await ensure(js, streams, consumers)
+                return [f"{s.action} {s.name} {s.details}".strip() for s in planned.steps if s.kind == "consumer"]
+
+            async def consumer() -> tuple[int, int]:
+                info = await js.consumer_info(STREAM_COMMANDS, "order_consumer")
+                peers = 1 + len(info.cluster.replicas or []) if info.cluster else 0
+                return info.config.num_replicas or 0, peers
+
+            # 0: inherit the stream's replicas (the server's own rule)
+            await provision(replicas=3, consumer_replicas=0)
+            assert await consumer() == (0, 3)
+            # the default is the streams' replicas: 3, which is what "inherit" means here
+            assert await provision(replicas=3) == [f"unchanged {STREAM_COMMANDS}/order_consumer"]
+            # a work-queue stream's consumers must have its replicas: refused before the server does
+            with pytest.raises(TopologyError, match=r"replicas 1 differ from stream MESHFORGE_COMMANDS's 3.*consumer_replicas to 3 or 0"):
+                await provision(replicas=3, consumer_replicas=1)
+            assert await consumer() == (0, 3)
+            # explicit replicas equal to the stream's are what the default sets on creation
+            await js.delete_consumer(STREAM_COMMANDS, "order_consumer")
+            [created] = await provision(replicas=3)
+            assert created.startswith(f"create {STREAM_COMMANDS}/order_consumer") and created.endswith("; replicas 3")
+            assert await consumer() == (3, 3)
+            assert await provision(replicas=3, consumer_replicas=0) == [f"unchanged {STREAM_COMMANDS}/order_consumer"]
+        finally:
+            await conn.close()
