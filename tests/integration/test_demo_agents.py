@@ -122,7 +122,7 @@ def test_meshforge_run_refuses_a_bad_agent_in_one_line(tmp_path: Path) -> None:
             meshforge_command("run", spec, "--nats-url", "nats://127.0.0.1:1"),
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
-        assert out.returncode == 1
+        assert out.returncode == 2  # a bad argument is a usage error
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], out.stderr
 
