@@ -106,6 +106,7 @@ async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(
         env={"MESHFORGE_REPLICAS": "3", "MESHFORGE_PUBLISH_ATTEMPTS": "20"},
     )  # fmt: skip
     conn = None
+    loading: asyncio.Task[None] | None = None
     try:
         # provision as an operator would: replicas 3 for the streams and the consumers
         env = {**os.environ, "MESHFORGE_REPLICAS": "3"}
@@ -158,6 +159,7 @@ async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(
                 await publisher.publish_many(items, max_in_flight=20)
 
         loading = asyncio.create_task(load())
+
         async def processed_some() -> bool:
             return await events() > 40
 
@@ -181,7 +183,10 @@ async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(
         await wait_until(all_applied, 60, f"{2 * ORDERS} order events")
 
         async def caught_up() -> bool:
-            info = await js.stream_info(STREAM_COMMANDS)
+            try:
+                info = await js.stream_info(STREAM_COMMANDS)
+            except Exception:  # the node asked is still catching up: not yet
+                return False
             peers = info.cluster.replicas if info.cluster else None
             return bool(peers) and all(p.current for p in peers or []) and info.state.messages == 0
 
@@ -202,6 +207,8 @@ async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(
         assert len({m.headers.get("Nats-Msg-Id") for m in stored}) == len(stored) == 1 + 2 * ORDERS
         assert (await js.stream_info(STREAM_FAILED)).state.messages == 0
     finally:
+        if loading is not None and not loading.done():
+            loading.cancel()
         worker.stop(20)
         if conn is not None:
             await conn.close()

@@ -47,7 +47,11 @@ def server(
         ),
     ] = None,
 ) -> None:
-    """Run the embedded nats-server (JetStream on, data under ./.meshforge/) until Ctrl-C."""
+    """Run the embedded nats-server (JetStream on, data under ./.meshforge/) until Ctrl-C.
+
+    With --cluster N, run N servers routed on loopback instead, each with its own data
+    directory, and print their client URLs once JetStream has a meta leader.
+    """
     HOME.mkdir(parents=True, exist_ok=True)
     if cluster:
         _serve_cluster(cluster, port)
