@@ -384,6 +384,7 @@ async def verify(
     """
     checks: list[tuple[str, str, str | None]] = [("stream", s.name, None) for s in streams]
     checks += [("consumer", c.stream, c.durable) for c in consumers]
+    filters = {c.durable: c.filter_subject for c in consumers}
     present: list[str] = []
     missing: list[str] = []
     missing_streams: set[str] = set()
@@ -418,8 +419,37 @@ async def verify(
             raise TopologyError(f"cannot check {label}: {one_line(exc, 300)}") from exc
         present.append(label)
     if missing:
+        absent = [filters[label.rpartition("/")[2]] for label in missing if label.startswith("consumer ")]
         raise MissingTopology(
-            f"missing JetStream topology: {', '.join(missing)}; run `meshforge provision` "
+            f"missing JetStream topology: {', '.join(missing)}; run `{fix_command(absent)}` "
             "with an account allowed to create them"
         )
     return Verification(tuple(present))
+
+
+def fix_command(consumer_filters: Sequence[str]) -> str:
+    """The ``meshforge provision`` command that creates the streams and these consumers.
+
+    >>> fix_command(["cmd.acme.*.order.>", "control.cmd.lab1.node7"])
+    'meshforge provision --agent order --tenant acme --site lab1 --node node7'
+    """
+    words = ["meshforge", "provision"]
+    agents: list[str] = []
+    bound: dict[str, str] = {}
+    nodes: list[tuple[str, str]] = []
+    for subject in consumer_filters:
+        tokens = subject.split(".")
+        if tokens[0] == "cmd" and len(tokens) >= 5:
+            agents += [tokens[3]] if tokens[3] not in agents else []
+            for flag, token in (("--tenant", tokens[1]), ("--namespace", tokens[2])):
+                if token != "*":
+                    bound[flag] = token
+        elif tokens[:2] == ["control", "cmd"] and len(tokens) == 4:
+            nodes.append((tokens[2], tokens[3]))
+    for agent in agents:
+        words += ["--agent", agent]
+    for flag, token in bound.items():
+        words += [flag, token]
+    for site in dict.fromkeys(site for site, _ in nodes):
+        words += ["--site", site] + [w for s, n in nodes if s == site for w in ("--node", n)]
+    return " ".join(words)

@@ -74,7 +74,8 @@ def _permission_denied(js: JetStreamContext, subject: str) -> str | None:
     nc = getattr(js, "_nc", None)
     err = getattr(nc, "last_error", None) if nc is not None else None
     text = str(err) if err is not None else ""
-    if "permissions violation for publish" in text.lower() and f'"{subject}"' in text:
+    # nats-py lower-cases the server's -ERR text, subject included.
+    if "permissions violation for publish" in text.lower() and f'"{subject.lower()}"' in text.lower():
         return text.removeprefix("nats: ")
     return None
 

@@ -174,6 +174,10 @@ async def test_permission_denied_is_not_retried(tmp_path: Path) -> None:
             assert isinstance(outcomes[0], PublishError)
             assert outcomes[0].kind == "permission_denied"
             assert count(metrics.publish_retries, kind="permission_denied") == 0
+            # The client lower-cases the server's error: a tenant with capitals is still named.
+            with pytest.raises(PublishError) as info:
+                await pub.publish("cmd.TenantA.demo.order.create", Envelope.new("order.create", {}))
+            assert info.value.kind == "permission_denied"
 
 
 async def test_retries_through_a_server_kill_and_restart(private_server: EmbeddedServer) -> None:
