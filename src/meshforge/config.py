@@ -72,6 +72,7 @@ class Settings:
     backoff: tuple[float, ...] = (1.0, 5.0, 10.0, 30.0)
     duplicate_window: float = 120.0
     replicas: int = 1
+    consumer_replicas: int | None = None  # None: as many as the streams; 0: inherit (nats' own rule)
     storage: Literal["file", "memory"] = "file"
     max_age: float = 0.0
     max_bytes: int = -1
@@ -284,6 +285,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "backoff": _delays,
     "duplicate_window": _duration(positive=True),
     "replicas": _int_between(1, 5),
+    "consumer_replicas": _int_between(0, 5),
     "storage": _choice("file", "memory"),
     "max_age": _duration(positive=False),
     "max_bytes": _int_at_least(1, minus_one=True),

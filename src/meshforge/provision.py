@@ -124,12 +124,17 @@ async def plan(
     steps = [_plan_stream(spec, existing, streams) for spec in streams]
     stream_subjects = {name: list(cfg.subjects or []) for name, cfg in existing.items()}
     retention = {name: policy_name(cfg.retention) for name, cfg in existing.items()}
+    replicas = {name: cfg.num_replicas or 1 for name, cfg in existing.items()}
     for stream_spec in streams:
         stream_subjects[stream_spec.name] = list(stream_spec.subjects)
         retention[stream_spec.name] = stream_spec.retention
+        replicas[stream_spec.name] = stream_spec.replicas
     for consumer_spec in consumers:
+        stream_replicas = replicas.get(consumer_spec.stream)
         steps.append(
-            _plan_consumer(consumer_spec, stream_subjects, retention, consumers_now, consumers)
+            _plan_consumer(
+                consumer_spec, stream_subjects, retention, consumers_now, consumers, stream_replicas
+            )
         )
     return Plan(tuple(steps))
 
@@ -177,7 +182,9 @@ def _plan_consumer(
     retention: dict[str, str],
     consumers_now: dict[str, dict[str, ConsumerConfig]],
     planned: Sequence[ConsumerSpec],
+    stream_replicas: int | None = None,
 ) -> Step:
+    """``stream_replicas``: the stream's as planned, what a consumer's replicas 0 follows."""
     def refuse(
         reason: str, *, overlap: bool = False, current: ConsumerConfig | None = None
     ) -> Step:
@@ -215,6 +222,13 @@ def _plan_consumer(
                     f"work-queue stream {spec.stream}",
                     overlap=True,
                 )
+    kind = retention.get(spec.stream)
+    if kind in ("workqueue", "interest") and spec.replicas not in (0, stream_replicas or 0):
+        return refuse(
+            f"replicas {spec.replicas} differ from stream {spec.stream}'s {stream_replicas}: "
+            f"JetStream requires a {kind} stream's consumers to have the stream's replicas "
+            f"(set consumer_replicas to {stream_replicas} or 0)"
+        )
     current = present.get(spec.durable)
     if current is None:
         return Step("consumer", spec, Action.CREATE)
@@ -231,7 +245,10 @@ def _plan_consumer(
             "(its delivery state is lost) and provision again",
             current=current,
         )
-    changes = diff(describe_consumer(current), describe_consumer(spec.config()))
+    changes = diff(
+        describe_consumer(current, stream_replicas),
+        describe_consumer(spec.config(), stream_replicas),
+    )
     refiltered = [c for c in changes if c.field == "filter_subject"]
     if refiltered:
         # Another worker may consume through this filter: rewriting it would strand its messages.
@@ -288,6 +305,7 @@ async def _execute(js: JetStreamManager, step: Step) -> None:
             ack_wait=config.ack_wait,
             max_deliver=config.max_deliver,
             backoff=config.backoff,
+            num_replicas=config.num_replicas,
         )
     await js.add_consumer(spec.stream, config)
 

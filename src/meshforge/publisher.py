@@ -428,7 +428,14 @@ class Publisher:
 
     def _limit(self, kind: str) -> int:
         attempts = max(1, self.settings.publish_attempts)
-        return min(attempts, NO_STREAM_ATTEMPTS) if kind == "no_stream" else attempts
+        if kind == "no_stream" and not self._clustered():
+            return min(attempts, NO_STREAM_ATTEMPTS)
+        return attempts
+
+    def _clustered(self) -> bool:
+        """Connected to a cluster, where "no responders" is also a stream electing its leader."""
+        info = getattr(getattr(self.js, "_nc", None), "_server_info", None)
+        return isinstance(info, dict) and bool(info.get("cluster"))
 
     def _retry(self, err: PublishError, attempt: int) -> bool:
         if not err.retriable or attempt >= self._limit(err.kind):
