@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -131,8 +132,20 @@ def test_an_orphaned_nats_server_keeps_its_directory_locked(tmp_path: Path) -> N
             os.kill(orphan, signal.SIGKILL)
     # once the last holder is gone, the directory can be served again, with its data
     wait_until_sync(lambda: not _alive(orphan), 10, "the orphan to exit")
+    # A killed Go program's leader thread is a zombie before its other threads let go of the file.
+    wait_until_sync(lambda: _lock_free(store / "server.lock"), 10, "the orphan's lock to be released")
     with EmbeddedServer(store_dir=store) as again:
         assert _serving(again.url)
+
+
+def _lock_free(path: Path) -> bool:
+    with path.open("a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(held, fcntl.LOCK_UN)
+        return True
 
 
 def _alive(pid: int) -> bool:
