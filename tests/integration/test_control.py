@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import polling
 import pytest
 from control_support import NodeProcess, dead_letter, reply_count, runs, stored_count
 from nats.js.errors import NotFoundError
@@ -117,7 +116,7 @@ async def test_command_sent_while_node_is_down_runs_when_it_starts(
     async def acked() -> bool:  # the reply goes out before the ack: the mailbox empties just after
         return (await ctl.status(site, "n1")).mailbox_depth == 0
 
-    await polling.wait_until(acked, 20, "the command to leave the mailbox")
+    await wait_until(acked, 20, "the command to leave the mailbox")
     assert await reply_count(conn.js, control_reply_subject(site, "n1")) == 1
 
     node.stop()  # graceful: its last announcement says so
