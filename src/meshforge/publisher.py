@@ -19,12 +19,13 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -50,6 +51,16 @@ _ERR_WRONG_LAST_MSG_ID = 10070
 _ERR_WRONG_LAST_SEQ = 10071
 _ERR_STREAM_MISMATCH = 10060
 _ERR_STORE_FAILED = 10077
+
+
+@functools.lru_cache(maxsize=4096)
+def _subject_ok(subject: str) -> bool:
+    """Whether ``subject`` may be published to; cached, as a batch repeats few subjects."""
+    try:
+        validate_subject(subject)
+    except InvalidSubject:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,13 +274,14 @@ class Publisher:
         pending: list[int] = []
         for index, item in enumerate(items):
             try:
-                ready.append(self._outbound(item.subject, item.data, item.headers, item.msg_id))
+                ready.append(self._ready(item))
                 pending.append(index)
             except PublishError as refused:
                 self._failed(refused, 0)
                 outcomes[index] = refused
                 ready.append(item)
         attempts = [0] * len(items)
+        stored: dict[str, int] = {}  # stream -> messages stored, counted once per call
         round_ = 0
         while pending:
             round_ += 1
@@ -278,7 +290,14 @@ class Publisher:
             for index, answer in zip(pending, answers, strict=True):
                 attempts[index] += 1
                 if isinstance(answer, PubAck):
-                    outcomes[index] = self._succeeded(answer, ready[index].msg_id)
+                    duplicate = bool(answer.duplicate)
+                    if not duplicate:
+                        stored[answer.stream] = stored.get(answer.stream, 0) + 1
+                    else:
+                        self.metrics.publish_duplicates.labels(stream=answer.stream).inc()
+                    outcomes[index] = PublishResult(
+                        answer.stream, answer.seq, duplicate, ready[index].msg_id
+                    )
                     continue
                 err = classify(answer, ready[index].subject, self.js)
                 if self._retry(err, attempts[index]):
@@ -290,65 +309,100 @@ class Publisher:
             if pending:
                 log.debug("retrying %d of %d messages (round %d)", len(pending), len(items), round_)
                 await asyncio.sleep(self._delay(round_))  # backoff before the next round
+        for stream, count in stored.items():
+            self.metrics.published.labels(stream=stream).inc(count)
         return [o for o in outcomes if o is not None]
 
     async def _pipeline(
         self, items: Sequence[Outbound], max_in_flight: int
     ) -> list[PubAck | BaseException]:
-        """Send every item in order with at most ``max_in_flight`` PubAcks outstanding."""
-        loop = asyncio.get_running_loop()
+        """Send every item in order with at most ``max_in_flight`` PubAcks outstanding.
+
+        Before sending message ``i`` it waits for message ``i - max_in_flight``: PubAcks
+        come back in order, so this costs nothing until the window is full, and no
+        semaphore, timer or callback per message. A PubAck not back ``publish_timeout``
+        after its message left counts as a timeout.
+        """
         timeout = self.settings.publish_timeout
-        slots = asyncio.Semaphore(max_in_flight)
-        waiting: list[asyncio.Future[PubAck] | BaseException] = []
-
-        def expire(fut: asyncio.Future[PubAck]) -> None:
-            if not fut.done():
-                fut.set_exception(nats.errors.TimeoutError())
-
-        def settled(timer: asyncio.TimerHandle) -> Any:
-            def done(_: asyncio.Future[PubAck]) -> None:
-                timer.cancel()
-                slots.release()
-
-            return done
-
+        clock = time.monotonic
+        publish = self.js.publish_async
+        futures: list[asyncio.Future[PubAck] | None] = []
+        sent_at: list[float] = []
+        refused: dict[int, BaseException] = {}
         try:
-            for item in items:
-                await slots.acquire()
+            for index, item in enumerate(items):
+                if index >= max_in_flight:
+                    await self._settle(futures[index - max_in_flight], sent_at[index - max_in_flight] + timeout)
                 try:
-                    fut = await self.js.publish_async(
-                        item.subject, item.data, headers=dict(item.headers)
-                    )
+                    fut = await publish(item.subject, item.data, headers=item.headers)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # refused before sending (size, connection state)
-                    slots.release()
-                    waiting.append(exc)
+                    refused[index] = exc
+                    futures.append(None)
+                    sent_at.append(0.0)
                     continue
-                # One timer per message is far cheaper than one task per message.
-                timer = loop.call_later(timeout, expire, fut)
-                fut.add_done_callback(settled(timer))
-                waiting.append(fut)
-            futures = [w for w in waiting if isinstance(w, asyncio.Future)]
-            if futures:
-                await asyncio.wait(futures)
+                futures.append(fut)
+                sent_at.append(clock())
+            await self._settle_all(futures, sent_at, timeout)
         except asyncio.CancelledError:
-            for w in waiting:
-                if isinstance(w, asyncio.Future):
-                    w.cancel()
+            for waiting in futures:
+                if waiting is not None:
+                    waiting.cancel()
             raise
         answers: list[PubAck | BaseException] = []
-        for w in waiting:
-            if isinstance(w, BaseException):
-                answers.append(w)
-            elif w.cancelled():
+        for index, waiting in enumerate(futures):
+            if waiting is None:
+                answers.append(refused[index])
+            elif waiting.cancelled():
                 answers.append(nats.errors.TimeoutError())
             else:
-                error = w.exception()
-                answers.append(error if error is not None else w.result())
+                error = waiting.exception()
+                answers.append(error if error is not None else waiting.result())
         return answers
 
+    @staticmethod
+    async def _settle_all(
+        futures: list[asyncio.Future[PubAck] | None], sent_at: list[float], patience: float
+    ) -> None:
+        """Wait for every future, each until ``patience`` seconds after its message left."""
+        open_ = [(f, at + patience) for f, at in zip(futures, sent_at, strict=True) if f is not None and not f.done()]
+        while open_:
+            # The oldest message has the earliest deadline: wait for all, up to that one.
+            remaining = open_[0][1] - time.monotonic()
+            if remaining > 0:
+                await asyncio.wait([f for f, _ in open_], timeout=remaining)
+            now = time.monotonic()
+            for fut, deadline in open_:
+                if not fut.done() and deadline <= now:
+                    fut.set_exception(nats.errors.TimeoutError())
+            open_ = [(f, d) for f, d in open_ if not f.done()]
+
+    @staticmethod
+    async def _settle(fut: asyncio.Future[PubAck] | None, deadline: float) -> None:
+        """Wait for ``fut`` until ``deadline`` (monotonic); past it, fail it as a timeout."""
+        if fut is None or fut.done():
+            return
+        remaining = deadline - time.monotonic()
+        if remaining > 0:
+            await asyncio.wait((fut,), timeout=remaining)
+        if not fut.done():
+            # Failing the future also frees its place in nats-py's pending PubAcks.
+            fut.set_exception(nats.errors.TimeoutError())
+
     # ------------------------------------------------------------------ internals
+    def _ready(self, item: Outbound) -> Outbound:
+        """``item`` as it goes out; a bytes item already carrying its id is used as is."""
+        data, headers = item.data, item.headers
+        if (
+            type(data) is bytes
+            and item.msg_id
+            and headers.get(H_MSG_ID) == item.msg_id
+            and _subject_ok(item.subject)
+        ):
+            return item
+        return self._outbound(item.subject, data, headers, item.msg_id)
+
     def _outbound(
         self,
         subject: str,
