@@ -73,7 +73,9 @@ async def measured(fn: Callable[[], Awaitable[None]]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-async def one_round(js: JetStreamContext, nc_js: JetStreamContext, n: int, r: int, tmp: Path) -> dict[str, tuple[float, float]]:
+async def one_round(
+    js: JetStreamContext, nc_js: JetStreamContext, n: int, r: int, tmp: Path, sync: str
+) -> dict[str, tuple[float, float]]:
     out: dict[str, tuple[float, float]] = {}
     for variant in VARIANTS:
         name = f"{variant}_{r}"
@@ -99,7 +101,7 @@ async def one_round(js: JetStreamContext, nc_js: JetStreamContext, n: int, r: in
                 await publisher.publish_many(items, max_in_flight=PENDING)
 
         else:
-            store = open_store(f"sqlite:///{tmp / name}.db")
+            store = open_store(f"sqlite:///{tmp / name}.db?synchronous={sync}")
             relay = OutboxRelay(store, Publisher(js, metrics=Metrics()), max_in_flight=PENDING, idle=0.05)
             if variant == "relay":
                 await asyncio.to_thread(fill_outbox, store, subject, envs)
@@ -124,7 +126,7 @@ async def one_round(js: JetStreamContext, nc_js: JetStreamContext, n: int, r: in
     return out
 
 
-async def main(n: int, rounds: int) -> None:
+async def main(n: int, rounds: int, sync: str) -> None:
     runs: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
     async with EmbeddedServer() as server:
         nc = await nats.connect(server.url)
@@ -132,7 +134,7 @@ async def main(n: int, rounds: int) -> None:
         async_js = nc.jetstream(publish_async_max_pending=PENDING)
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(rounds):
-                for variant, figures in (await one_round(js, async_js, n, r, Path(tmp))).items():
+                for variant, figures in (await one_round(js, async_js, n, r, Path(tmp), sync)).items():
                     runs[variant].append(figures)
         await nc.close()
     rate = {v: statistics.median(n / w for w, _ in runs[v]) for v in VARIANTS}
@@ -144,16 +146,18 @@ async def main(n: int, rounds: int) -> None:
     for v in VARIANTS:
         table.add_row(LABELS[v], f"{rate[v]:,.0f}", f"{cpu[v]:.0f}", f"{ratios[v]:.2f}x")
     console.print(table)
-    console.print("each variant stored exactly n messages; ratio = median of the per-round ratios")
+    console.print("each variant stored exactly n messages; ratio = median of the per-round ratios;"
+                  f" outbox store: SQLite, synchronous={sync}")
     floor("S0", "publish_many vs nats-py publish_async", f"{ratios['publish_many']:.2f}x", ">= 0.9x", met=ratios["publish_many"] >= 0.9)
     floor("S0", "outbox (enqueue + relay) vs publish_async", f"{ratios['outbox']:.2f}x", ">= 0.5x", met=ratios["outbox"] >= 0.5,
-          note=f"relay alone {ratios['relay']:.2f}x")  # fmt: skip
+          note=f"relay alone {ratios['relay']:.2f}x; SQLite synchronous={sync}")  # fmt: skip
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--sync", choices=("full", "normal"), default="full", help="the outbox store's SQLite synchronous")
     parser.add_argument("--quick", action="store_true", help="n = 2,000, 3 rounds")
     args = parser.parse_args()
-    asyncio.run(main(2_000 if args.quick else args.n, 3 if args.quick else args.rounds))
+    asyncio.run(main(2_000 if args.quick else args.n, 3 if args.quick else args.rounds, args.sync))

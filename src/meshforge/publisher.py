@@ -171,6 +171,54 @@ def _classify_api(exc: nats.js.errors.APIError, subject: str) -> PublishError:
     return PublishError(what, kind="rejected")
 
 
+async def _settled(fut: asyncio.Future[PubAck]) -> None:
+    """Wait until ``fut`` is done, whatever its outcome (the caller reads it later)."""
+    try:
+        await fut
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # this task is being cancelled, not just the future
+    except Exception:  # the outcome is read from the future afterwards
+        pass
+
+
+class _Watchdog:
+    """Fails each PubAck future not done ``timeout`` seconds after its message left.
+
+    One timer for a whole pipeline, moved along to the oldest open message's deadline.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.futures: list[asyncio.Future[PubAck] | None] = []
+        self.sent_at: list[float] = []
+        self._head = 0
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(timeout, self._check)
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        futures, sent_at = self.futures, self.sent_at
+        while self._head < len(futures):
+            fut = futures[self._head]
+            if fut is not None and not fut.done():
+                if sent_at[self._head] + self.timeout > now:
+                    break
+                # Failing the future also frees its place in nats-py's pending PubAcks.
+                fut.set_exception(nats.errors.TimeoutError())
+            self._head += 1
+        wait = self.timeout
+        if self._head < len(futures):
+            wait = max(0.0, sent_at[self._head] + self.timeout - now)
+        self._timer = self._loop.call_later(wait, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class Publisher:
     """Publishes envelopes or bytes and waits for the PubAck; retries what may succeed.
 
@@ -248,7 +296,7 @@ class Publisher:
         """
         outcomes = await self.publish_each(items, max_in_flight=max_in_flight)
         for index, outcome in enumerate(outcomes):
-            if isinstance(outcome, PublishError):
+            if type(outcome) is not PublishResult and isinstance(outcome, PublishError):
                 failed = sum(isinstance(o, PublishError) for o in outcomes)
                 raise PublishError(
                     f"message {index} of {len(outcomes)} (msg id {items[index].msg_id!r}) failed"
@@ -256,7 +304,7 @@ class Publisher:
                     kind=outcome.kind,
                     retriable=outcome.retriable,
                 ) from outcome
-        return [o for o in outcomes if isinstance(o, PublishResult)]
+        return outcomes  # type: ignore[return-value]  # no PublishError among them
 
     async def publish_each(
         self, items: Sequence[Outbound], *, max_in_flight: int = 256
@@ -272,9 +320,19 @@ class Publisher:
         outcomes: list[PublishResult | PublishError | None] = [None] * len(items)
         ready: list[Outbound] = []
         pending: list[int] = []
+        good = {subject for subject in {item.subject for item in items} if _subject_ok(subject)}
         for index, item in enumerate(items):
             try:
-                ready.append(self._ready(item))
+                # A bytes item that already carries its id and a checked subject goes as is.
+                if (
+                    item.subject in good
+                    and type(item.data) is bytes
+                    and item.msg_id
+                    and item.headers.get(H_MSG_ID) == item.msg_id
+                ):
+                    ready.append(item)
+                else:
+                    ready.append(self._outbound(item.subject, item.data, item.headers, item.msg_id))
                 pending.append(index)
             except PublishError as refused:
                 self._failed(refused, 0)
@@ -319,37 +377,44 @@ class Publisher:
         """Send every item in order with at most ``max_in_flight`` PubAcks outstanding.
 
         Before sending message ``i`` it waits for message ``i - max_in_flight``: PubAcks
-        come back in order, so this costs nothing until the window is full, and no
-        semaphore, timer or callback per message. A PubAck not back ``publish_timeout``
-        after its message left counts as a timeout.
+        come back in order, so this costs nothing until the window is full, and there is
+        no semaphore, timer or callback per message. One watchdog fails a PubAck not back
+        ``publish_timeout`` after its message left as a timeout.
         """
-        timeout = self.settings.publish_timeout
-        clock = time.monotonic
         publish = self.js.publish_async
-        futures: list[asyncio.Future[PubAck] | None] = []
-        sent_at: list[float] = []
+        clock = time.monotonic
+        watch = _Watchdog(self.settings.publish_timeout)
+        futures, sent_at = watch.futures, watch.sent_at
         refused: dict[int, BaseException] = {}
+        stamp = clock()
         try:
             for index, item in enumerate(items):
                 if index >= max_in_flight:
-                    await self._settle(futures[index - max_in_flight], sent_at[index - max_in_flight] + timeout)
+                    oldest = futures[index - max_in_flight]
+                    if oldest is not None and not oldest.done():
+                        await _settled(oldest)
+                        stamp = clock()
+                if not index & 63:
+                    stamp = clock()  # a clock read per 64 messages is close enough
                 try:
                     fut = await publish(item.subject, item.data, headers=item.headers)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # refused before sending (size, connection state)
                     refused[index] = exc
-                    futures.append(None)
-                    sent_at.append(0.0)
-                    continue
+                    fut = None
                 futures.append(fut)
-                sent_at.append(clock())
-            await self._settle_all(futures, sent_at, timeout)
+                sent_at.append(stamp)
+            for waiting in futures:
+                if waiting is not None and not waiting.done():
+                    await _settled(waiting)
         except asyncio.CancelledError:
             for waiting in futures:
                 if waiting is not None:
                     waiting.cancel()
             raise
+        finally:
+            watch.close()
         answers: list[PubAck | BaseException] = []
         for index, waiting in enumerate(futures):
             if waiting is None:
@@ -361,48 +426,7 @@ class Publisher:
                 answers.append(error if error is not None else waiting.result())
         return answers
 
-    @staticmethod
-    async def _settle_all(
-        futures: list[asyncio.Future[PubAck] | None], sent_at: list[float], patience: float
-    ) -> None:
-        """Wait for every future, each until ``patience`` seconds after its message left."""
-        open_ = [(f, at + patience) for f, at in zip(futures, sent_at, strict=True) if f is not None and not f.done()]
-        while open_:
-            # The oldest message has the earliest deadline: wait for all, up to that one.
-            remaining = open_[0][1] - time.monotonic()
-            if remaining > 0:
-                await asyncio.wait([f for f, _ in open_], timeout=remaining)
-            now = time.monotonic()
-            for fut, deadline in open_:
-                if not fut.done() and deadline <= now:
-                    fut.set_exception(nats.errors.TimeoutError())
-            open_ = [(f, d) for f, d in open_ if not f.done()]
-
-    @staticmethod
-    async def _settle(fut: asyncio.Future[PubAck] | None, deadline: float) -> None:
-        """Wait for ``fut`` until ``deadline`` (monotonic); past it, fail it as a timeout."""
-        if fut is None or fut.done():
-            return
-        remaining = deadline - time.monotonic()
-        if remaining > 0:
-            await asyncio.wait((fut,), timeout=remaining)
-        if not fut.done():
-            # Failing the future also frees its place in nats-py's pending PubAcks.
-            fut.set_exception(nats.errors.TimeoutError())
-
     # ------------------------------------------------------------------ internals
-    def _ready(self, item: Outbound) -> Outbound:
-        """``item`` as it goes out; a bytes item already carrying its id is used as is."""
-        data, headers = item.data, item.headers
-        if (
-            type(data) is bytes
-            and item.msg_id
-            and headers.get(H_MSG_ID) == item.msg_id
-            and _subject_ok(item.subject)
-        ):
-            return item
-        return self._outbound(item.subject, data, headers, item.msg_id)
-
     def _outbound(
         self,
         subject: str,
