@@ -66,60 +66,62 @@ def fill_outbox(store: Store, subject: str, envs: list[Envelope]) -> None:
                 enqueue(tx, subject, env)
 
 
-async def measured(fn: Callable[[], Awaitable[None]]) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds) of one run."""
+async def relay_all(relay: OutboxRelay, n: int, fill: Callable[[int], Awaitable[None]] | None) -> None:
+    """Run ``relay`` until it sent ``n`` rows; ``fill(start)`` enqueues the rows from ``start`` meanwhile."""
+    task = asyncio.create_task(relay.run())
+    if fill is not None:
+        for start in range(0, n, ROWS_PER_TX):
+            await fill(start)
+            relay.notify()
+    for _ in range(1_000_000):
+        if relay.sent_total >= n or task.done():
+            break
+        await asyncio.sleep(0.005)
+    await relay.stop()
+    await task
+
+
+async def run_variant(
+    variant: str, js: JetStreamContext, async_js: JetStreamContext, subject: str, envs: list[Envelope], db: str
+) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one variant publishing ``envs``."""
+    items = [Outbound.of(subject, e) for e in envs]
+    n = len(envs)
+    store = open_store(db) if variant in ("outbox", "relay") else None
+    if store is not None and variant == "relay":
+        await asyncio.to_thread(fill_outbox, store, subject, envs)
     wall, cpu = time.perf_counter(), time.process_time()
-    await fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    if variant == "publish_async":
+        futures = [await async_js.publish_async(m.subject, m.data, headers=m.headers) for m in items]
+        await async_js.publish_async_completed()
+        for f in futures:
+            f.result()
+    elif variant == "publish_many":
+        await Publisher(js, metrics=Metrics()).publish_many(items, max_in_flight=PENDING)
+    else:
+        assert store is not None
+        relay = OutboxRelay(store, Publisher(js, metrics=Metrics()), max_in_flight=PENDING, idle=0.05)
+
+        async def fill(start: int) -> None:
+            await asyncio.to_thread(fill_outbox, store, subject, envs[start : start + ROWS_PER_TX])
+
+        await relay_all(relay, n, fill if variant == "outbox" else None)
+    figures = time.perf_counter() - wall, time.process_time() - cpu
+    if store is not None:
+        store.close()
+    return figures
 
 
 async def one_round(
-    js: JetStreamContext, nc_js: JetStreamContext, n: int, r: int, tmp: Path, sync: str
+    js: JetStreamContext, async_js: JetStreamContext, n: int, r: int, tmp: Path, sync: str
 ) -> dict[str, tuple[float, float]]:
     out: dict[str, tuple[float, float]] = {}
     for variant in VARIANTS:
         name = f"{variant}_{r}"
         subject = f"bench.{name}"
         await js.add_stream(name=name.upper(), subjects=[subject], duplicate_window=120)
-        envs = envelopes(n, name)
-        items = [Outbound.of(subject, e) for e in envs]
-
-        if variant == "publish_async":
-
-            async def run() -> None:
-                futures = [
-                    await nc_js.publish_async(m.subject, m.data, headers=m.headers) for m in items
-                ]
-                await nc_js.publish_async_completed()
-                for f in futures:
-                    f.result()
-
-        elif variant == "publish_many":
-            publisher = Publisher(js, metrics=Metrics())
-
-            async def run() -> None:
-                await publisher.publish_many(items, max_in_flight=PENDING)
-
-        else:
-            store = open_store(f"sqlite:///{tmp / name}.db?synchronous={sync}")
-            relay = OutboxRelay(store, Publisher(js, metrics=Metrics()), max_in_flight=PENDING, idle=0.05)
-            if variant == "relay":
-                await asyncio.to_thread(fill_outbox, store, subject, envs)
-
-            async def run() -> None:
-                task = asyncio.create_task(relay.run())
-                if variant == "outbox":
-                    for start in range(0, n, ROWS_PER_TX):
-                        await asyncio.to_thread(fill_outbox, store, subject, envs[start : start + ROWS_PER_TX])
-                        relay.notify()
-                while relay.sent_total < n:
-                    await asyncio.sleep(0.005)
-                await relay.stop()
-                await task
-
-        out[variant] = await measured(run)
-        if variant in ("outbox", "relay"):
-            store.close()
+        db = f"sqlite:///{tmp / name}.db?synchronous={sync}"
+        out[variant] = await run_variant(variant, js, async_js, subject, envelopes(n, name), db)
         info = await js.stream_info(name.upper())
         assert info.state.messages == n, f"{name}: stored {info.state.messages} of {n}"
         await js.delete_stream(name.upper())

@@ -29,6 +29,7 @@ from meshforge.consumer import Consumer
 from meshforge.errors import ConfigError, one_line
 from meshforge.observability import HttpEndpoint, Metrics, serve_http
 from meshforge.publisher import Publisher
+from meshforge.retention import store_retention
 from meshforge.runtime.agent import Agent
 from meshforge.runtime.engine import Engine
 from meshforge.store import open_store
@@ -112,6 +113,7 @@ class Worker:
         """
         settings = self.settings
         stop = asyncio.ensure_future(self._stopping.wait())
+        retention: asyncio.Task[None] | None = None
         try:
             setup = asyncio.ensure_future(self._setup())
             await asyncio.wait({setup, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -123,6 +125,15 @@ class Worker:
                 return
             setup.result()
             runs = [asyncio.create_task(c.run()) for c in self._consumers]
+            # Effects and inbox rows past their retention are deleted while the worker runs.
+            if self._store is not None:
+                retention = asyncio.create_task(
+                    store_retention(
+                        self._store, effect_retention=settings.effect_retention,
+                        inbox_retention=settings.inbox_retention,
+                        interval=settings.retention_interval, stop=self._stopping,
+                    )
+                )  # fmt: skip
             await self._wait_ready(runs, stop)
             if not stop.done():
                 self.ready.set()
@@ -135,6 +146,10 @@ class Worker:
                     raise result
         finally:
             stop.cancel()
+            if retention is not None:
+                retention.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await retention
             self.ready.clear()
             if self._endpoint is not None:
                 await self._endpoint.close()
