@@ -121,6 +121,7 @@ class OutboxRelay:
         self._done.set()
         self._next_depth = 0.0
         self._next_cleanup = 0.0
+        self._marking: asyncio.Future[int] | None = None
 
     # ------------------------------------------------------------------ control
     def notify(self) -> None:
@@ -156,8 +157,11 @@ class OutboxRelay:
                     ahead = None
                     self._claimed = len(rows)
                     if len(rows) >= self.batch_size and not self._stopping.is_set():
-                        ahead = asyncio.ensure_future(self._claim())  # more are probably due
-                    await self._deliver(rows)
+                        ahead = self._claim()  # more are probably due
+                    # With a batch coming, its rows are marked sent while the next publishes.
+                    await self._deliver(rows, defer=ahead is not None)
+                    if ahead is None:
+                        await self._settle_marking()
                     await self._housekeeping()
                 except StoreError as exc:
                     if exc.kind == "closed":
@@ -175,6 +179,7 @@ class OutboxRelay:
         finally:
             if ahead is not None:  # only when run() itself was cancelled or failed
                 ahead.cancel()
+            self._marking = None
             self._done.set()
             log.info("outbox relay %s stopped (%d rows sent)", self.relay_id, self.sent_total)
 
@@ -198,8 +203,12 @@ class OutboxRelay:
             asyncio.to_thread(self.store.outbox_claim, self.relay_id, self.batch_size, self.lease_seconds)
         )
 
-    async def _deliver(self, rows: list[OutboxRow]) -> int:
-        """Publish claimed rows and record the outcome; returns rows sent."""
+    async def _deliver(self, rows: list[OutboxRow], *, defer: bool = False) -> int:
+        """Publish claimed rows and record the outcome; returns rows sent.
+
+        With ``defer`` the rows are marked sent in the background (one marking at a time;
+        ``_settle_marking`` waits for it), so the caller can publish the next batch.
+        """
         if not rows:
             return 0
         started = time.monotonic()
@@ -219,12 +228,24 @@ class OutboxRelay:
             if isinstance(out, PublishResult)
         ]
         if sent:
-            await asyncio.to_thread(self.store.outbox_mark_sent, sent)
-            self.sent_total += len(sent)
+            await self._settle_marking()
+            self._marking = asyncio.ensure_future(asyncio.to_thread(self._mark_sent, sent))
+            if not defer:
+                await self._settle_marking()
         for row, out in zip(rows, outcomes, strict=True):
             if isinstance(out, PublishError):
                 await self._failed(row, out)
         return len(sent)
+
+    def _mark_sent(self, ids: list[int]) -> int:
+        self.store.outbox_mark_sent(ids)
+        return len(ids)
+
+    async def _settle_marking(self) -> None:
+        """Wait for the rows being marked sent, if any (a store error is raised here)."""
+        marking, self._marking = self._marking, None
+        if marking is not None:
+            self.sent_total += await marking
 
     async def _failed(self, row: OutboxRow, err: PublishError) -> None:
         attempts = row.attempts + 1
