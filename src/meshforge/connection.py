@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import Any, Literal, Self
 from urllib.parse import urlsplit, urlunsplit
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.errors import AuthorizationError, NoServersError
 from nats.js import JetStreamContext
@@ -97,17 +98,41 @@ def _auth_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
+class _Client(NATS):
+    """nats-py closes the client for good on any server ``-ERR`` but a stale connection or
+    a permissions error. The server drops the socket after most of them (e.g. "Maximum
+    Payload Violation"), and a worker wants its connection back: reconnect instead. A
+    refused login, and any error while first connecting, still close as before."""
+
+    async def _process_err(self, err_msg: str) -> None:
+        text = err_msg.strip().strip("'")
+        lowered = text.lower()
+        if (
+            self.is_connecting
+            or not self.options.get("allow_reconnect")
+            or "authorization violation" in lowered
+            or "permissions violation" in lowered
+            or "stale connection" in lowered
+        ):
+            await super()._process_err(err_msg)
+            return
+        err = nats.errors.Error(f"nats: {text}")
+        if self._error_cb is not None:
+            await self._error_cb(err)
+        await self._process_op_err(err)
+
+
 class Connection:
     """A NATS connection with its JetStream context and a state the callbacks keep.
 
-    ``state`` is ``connected``, ``reconnecting`` (lost; nats-py retries forever) or
-    ``closed``. Use ``connect()`` to build one.
+    ``state`` is ``connected``, ``reconnecting`` (lost; nats-py retries forever, also after
+    a server ``-ERR`` that drops the connection) or ``closed``. Use ``connect()`` to build one.
     """
 
     def __init__(self, url: str, name: str) -> None:
         self.url = url
         self.name = name
-        self.nc = NATS()
+        self.nc: NATS = _Client()
         self.state: State = "connecting"
         self.reconnects = 0
         self.last_error: str | None = None

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from test_engine_support import (
+    SCOPE,
     consumer_idle,
     ledger_agent,
     open_conn,
@@ -33,7 +34,7 @@ async def test_worker_deletes_old_effects_and_recent_ones_still_dedupe(nats_url:
     old = Envelope.new(f"{agent.name}.credit", {"account": "old", "amount": 5}, source="test")
     past = await asyncio.to_thread(open_store, sqlite_url, clock=lambda: datetime.now(UTC) - timedelta(days=8))
     with past.transaction() as tx:
-        tx.effect_put(consumer, old.key, old.id, [])
+        tx.effect_put(consumer, old.key, old.id, [], scope=SCOPE)
     past.close()
 
     settings = settings_for(nats_url, sqlite_url, effect_retention="1d", retention_interval="1s")
@@ -60,7 +61,7 @@ async def test_worker_deletes_old_effects_and_recent_ones_still_dedupe(nats_url:
             assert await keys() == {recent.key, old.key}
         ran = [cmd_id for cmd_id, _ in agent.calls]  # type: ignore[attr-defined]
         assert ran == [recent.id, old.id]
-        assert len(list(store.events_read(agent.name))) == 2
+        assert len(list(store.events_read(agent.name, scope=SCOPE))) == 2
     finally:
         store.close()
         await conn.close()
