@@ -85,7 +85,8 @@ def _permission_denied(js: JetStreamContext, subject: str) -> str | None:
     nc = getattr(js, "_nc", None)
     err = getattr(nc, "last_error", None) if nc is not None else None
     text = str(err) if err is not None else ""
-    if "permissions violation for publish" in text.lower() and f'"{subject}"' in text:
+    # nats-py lower-cases the server's -ERR text, subject included.
+    if "permissions violation for publish" in text.lower() and f'"{subject.lower()}"' in text.lower():
         return text.removeprefix("nats: ")
     return None
 
@@ -506,7 +507,14 @@ class Publisher:
 
     def _limit(self, kind: str) -> int:
         attempts = max(1, self.settings.publish_attempts)
-        return min(attempts, NO_STREAM_ATTEMPTS) if kind == "no_stream" else attempts
+        if kind == "no_stream" and not self._clustered():
+            return min(attempts, NO_STREAM_ATTEMPTS)
+        return attempts
+
+    def _clustered(self) -> bool:
+        """Connected to a cluster, where "no responders" is also a stream electing its leader."""
+        info = getattr(getattr(self.js, "_nc", None), "_server_info", None)
+        return isinstance(info, dict) and bool(info.get("cluster"))
 
     def _retry(self, err: PublishError, attempt: int) -> bool:
         if not err.retriable or attempt >= self._limit(err.kind):

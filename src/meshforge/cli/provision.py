@@ -53,6 +53,14 @@ def provision(
             "--agent", metavar="NAME", help="Also provision <NAME>_consumer (repeatable)."
         ),
     ] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option("--tenant", help="The --agent consumers of workers bound to this tenant."),
+    ] = None,
+    namespace: Annotated[
+        str | None,
+        typer.Option("--namespace", help="The --agent consumers of workers bound to this namespace."),
+    ] = None,
     site: Annotated[
         str | None, typer.Option("--site", metavar="SITE", help="The site of the --node names.")
     ] = None,
@@ -75,7 +83,7 @@ def provision(
 
     settings = load_settings({"nats_url": nats_url})
     streams = default_streams(settings)
-    consumers = [agent_consumer(name, settings) for name in agent or []]
+    consumers = [agent_consumer(name, settings, tenant, namespace) for name in agent or []]
     consumers += [node_consumer(s, n, settings) for s, n in _site_nodes(site, node or [])]
     with nats_target(settings.nats_url) as url:
         asyncio.run(_provision(url, settings, streams, consumers, dry_run))
@@ -92,6 +100,7 @@ async def _provision(
 
     from meshforge.connection import connect
     from meshforge.provision import apply, plan
+    from meshforge.subjects import STREAM_CONTROL
 
     console = Console()
     async with await connect(settings, url=url, name="meshforge-provision") as conn:
@@ -102,6 +111,12 @@ async def _provision(
             console.print(
                 f"applied {len(report.applied)} change(s)" if report.changed else "no changes"
             )
+            if any(c.stream == STREAM_CONTROL for c in consumers):
+                # Nodes announce themselves there; a node without API rights cannot make it.
+                from meshforge.control.presence import NODES_BUCKET, nodes_bucket
+
+                await nodes_bucket(conn.js, create=True, replicas=settings.replicas)
+                console.print(f"presence bucket {NODES_BUCKET} ready")
         elif planned.has_changes:
             console.print(f"dry run: {len(planned.pending)} change(s) planned, nothing applied")
         else:

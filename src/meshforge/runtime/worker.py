@@ -29,9 +29,11 @@ from typing import Any
 from meshforge.config import Settings, load_settings
 from meshforge.connection import Connection, connect
 from meshforge.consumer import Consumer
+from meshforge.deadletter import REASONS
 from meshforge.decisions import Decision, Delivery, Handler
 from meshforge.errors import ConfigError, one_line
 from meshforge.observability import HttpEndpoint, Metrics, serve_http
+from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
 from meshforge.publisher import Publisher
 from meshforge.retention import store_retention
 from meshforge.runtime.agent import Agent
@@ -99,6 +101,8 @@ class Worker:
         store: Store | None = None,
         metrics: Metrics | None = None,
         metrics_port: int | None = None,
+        metrics_host: str | None = None,
+        probe_interval: float = DEFAULT_PROBE_INTERVAL,
         deliver_group: str | None = None,
     ) -> None:
         if not agents:
@@ -110,6 +114,8 @@ class Worker:
         self.settings = settings or load_settings()
         self.metrics = metrics or Metrics()
         self.metrics_port = metrics_port if metrics_port is not None else self.settings.metrics_port
+        self.metrics_host = metrics_host or self.settings.metrics_host
+        self.probe_interval = probe_interval
         # A deliver group: push consumers whose members share the messages (else pull).
         self.deliver_group = deliver_group
         self.ready = asyncio.Event()
@@ -120,6 +126,8 @@ class Worker:
         self._stopping = asyncio.Event()
         self._conn: Connection | None = None
         self._endpoint: HttpEndpoint | None = None
+        self._probes: asyncio.Task[None] | None = None
+        self.metrics.track(self.is_ready, self._connected)
 
     async def run(self) -> None:
         """Connect, provision (unless disabled), consume until ``stop()``, then clean up.
@@ -167,6 +175,10 @@ class Worker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await retention
             self.ready.clear()
+            if self._probes is not None:
+                self._probes.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._probes
             if self._endpoint is not None:
                 await self._endpoint.close()
                 self._endpoint = None
@@ -180,6 +192,12 @@ class Worker:
     async def _setup(self) -> None:
         """Store, connection, topology, then one engine and one consumer per agent."""
         settings = self.settings
+        if self.metrics_port is not None:
+            # First, so a port in use fails at once; /readyz says 503 until consuming.
+            self._endpoint = await serve_http(
+                self.metrics_host, self.metrics_port, self.metrics, self._health, self.is_ready
+            )
+            log.info("metrics on %s:%d", self._endpoint.host, self._endpoint.port)
         if self._store is None:
             self._store = await asyncio.to_thread(open_store, settings.store_url)
         self._conn = conn = await connect(settings, name=f"meshforge-{'-'.join(a.name for a in self.agents)}")
@@ -193,6 +211,8 @@ class Worker:
             needed = [s for s in default_streams(settings) if s.name in _AGENT_STREAMS]
             await verify(conn.js, needed, pulled)
         publisher = Publisher(conn.js, settings, self.metrics)
+        for spec in specs:
+            self.metrics.prepare_consumer(spec.durable, REASONS)
         for agent, spec in zip(self.agents, specs, strict=True):
             engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
             self._engines.append(engine)
@@ -208,11 +228,27 @@ class Worker:
                     metrics=self.metrics, publisher=publisher, provision=False,
                 )  # fmt: skip
             self._consumers.append(consumer)
-        if self.metrics_port is not None:
-            self._endpoint = await serve_http(
-                "0.0.0.0", self.metrics_port, self.metrics, conn.health, self.ready.is_set
-            )
-            log.info("metrics on :%d", self._endpoint.port)
+        probes = Probes(conn.js, self.metrics, [(s.stream, s.durable) for s in specs], store=self._store)
+        self._probes = asyncio.create_task(probes.run(self.probe_interval))
+
+    @property
+    def endpoint(self) -> HttpEndpoint | None:
+        """The running /healthz /readyz /metrics endpoint (None without a metrics port)."""
+        return self._endpoint
+
+    def is_ready(self) -> bool:
+        """Consuming and connected: what /readyz answers (503 while NATS is away)."""
+        return self.ready.is_set() and self._connected()
+
+    def _connected(self) -> bool:
+        return self._conn is not None and self._conn.current_state() == "connected"
+
+    async def _health(self) -> dict[str, Any]:
+        if self._conn is None:
+            return {"state": "connecting", "agents": [a.name for a in self.agents]}
+        report = await self._conn.health()
+        report["agents"] = [a.name for a in self.agents]
+        return report
 
     async def _wait_ready(self, runs: list[asyncio.Task[None]], stop: asyncio.Future[Any]) -> None:
         """Until every consumer pulls, one fails to start (raised here), or ``stop``."""
