@@ -176,6 +176,10 @@ class OutboxRelay:
                 self.pause = pause
                 woken = await self._idle(pause)
                 pause = _IDLE_START if woken else min(pause * 2, self.idle)
+            try:
+                await self._settle_marking()  # left by a store error just before stop()
+            except StoreError as exc:
+                log.warning("outbox relay %s: %s", self.relay_id, exc)
         finally:
             if ahead is not None:  # only when run() itself was cancelled or failed
                 ahead.cancel()
