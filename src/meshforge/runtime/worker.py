@@ -35,6 +35,7 @@ from meshforge.errors import ConfigError, one_line
 from meshforge.observability import HttpEndpoint, Metrics, serve_http
 from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
 from meshforge.publisher import Publisher
+from meshforge.retention import store_retention
 from meshforge.runtime.agent import Agent
 from meshforge.runtime.engine import Engine
 from meshforge.store import open_store
@@ -136,6 +137,7 @@ class Worker:
         """
         settings = self.settings
         stop = asyncio.ensure_future(self._stopping.wait())
+        retention: asyncio.Task[None] | None = None
         try:
             setup = asyncio.ensure_future(self._setup())
             await asyncio.wait({setup, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -147,6 +149,15 @@ class Worker:
                 return
             setup.result()
             runs = [asyncio.create_task(c.run()) for c in self._consumers]
+            # Effects and inbox rows past their retention are deleted while the worker runs.
+            if self._store is not None:
+                retention = asyncio.create_task(
+                    store_retention(
+                        self._store, effect_retention=settings.effect_retention,
+                        inbox_retention=settings.inbox_retention,
+                        interval=settings.retention_interval, stop=self._stopping,
+                    )
+                )  # fmt: skip
             await self._wait_ready(runs, stop)
             if not stop.done():
                 self.ready.set()
@@ -159,6 +170,10 @@ class Worker:
                     raise result
         finally:
             stop.cancel()
+            if retention is not None:
+                retention.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await retention
             self.ready.clear()
             if self._probes is not None:
                 self._probes.cancel()
