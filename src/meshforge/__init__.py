@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from meshforge.scope import Scope
     from meshforge.server import EmbeddedServer
     from meshforge.store import open_store
+    from meshforge.sync_publisher import SyncPublisher
     from meshforge.topology import agent_consumer, default_streams, ensure, node_consumer, verify
 
 _WHERE = {
@@ -87,6 +88,7 @@ _WHERE = {
     "EmbeddedServer": "server",
     "Scope": "scope",
     "open_store": "store",
+    "SyncPublisher": "sync_publisher",
     "agent_consumer": "topology",
     "default_streams": "topology",
     "ensure": "topology",
@@ -124,6 +126,7 @@ __all__ = [
     "Scope",
     "Send",
     "Settings",
+    "SyncPublisher",
     "Unrecoverable",
     "agent_consumer",
     "command",

@@ -51,7 +51,10 @@ def _root(
 
 
 # Sub-commands, each in its own module with a ``register(app)`` function.
-_COMMANDS = ("server", "provision", "publish", "run", "replay", "dlq", "node", "ctl", "pipeline", "demo")
+_COMMANDS = (
+    "init", "server", "provision", "publish", "run", "relay", "replay", "dlq", "node", "ctl",
+    "pipeline", "demo",
+)  # fmt: skip
 
 for _name in _COMMANDS:
     try:

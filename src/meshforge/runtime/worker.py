@@ -29,6 +29,7 @@ from typing import Any
 from meshforge.config import Settings, load_settings
 from meshforge.connection import Connection, connect
 from meshforge.consumer import Consumer
+from meshforge.decisions import Decision, Delivery, Handler
 from meshforge.errors import ConfigError, one_line
 from meshforge.observability import HttpEndpoint, Metrics, serve_http
 from meshforge.publisher import Publisher
@@ -77,6 +78,15 @@ def load_agent(spec: str) -> Agent[Any]:
     raise ConfigError(f"agent {spec!r}: {attr!r} is not an Agent subclass")
 
 
+def _one_by_one(engine: Engine[Any]) -> Handler:
+    """The engine's batch handler as a handler of one delivery (push delivers one by one)."""
+
+    async def handle(delivery: Delivery) -> Decision:
+        return (await engine.handle([delivery]))[0]
+
+    return handle
+
+
 class Worker:
     """Runs one or more agents on one connection and one store until ``stop()``."""
 
@@ -88,6 +98,7 @@ class Worker:
         store: Store | None = None,
         metrics: Metrics | None = None,
         metrics_port: int | None = None,
+        deliver_group: str | None = None,
     ) -> None:
         if not agents:
             raise ConfigError("no agent to run: name at least one MODULE:AGENT")
@@ -98,6 +109,8 @@ class Worker:
         self.settings = settings or load_settings()
         self.metrics = metrics or Metrics()
         self.metrics_port = metrics_port if metrics_port is not None else self.settings.metrics_port
+        # A deliver group: push consumers whose members share the messages (else pull).
+        self.deliver_group = deliver_group
         self.ready = asyncio.Event()
         self._store = store
         self._own_store = store is None
@@ -156,20 +169,29 @@ class Worker:
             self._store = await asyncio.to_thread(open_store, settings.store_url)
         self._conn = conn = await connect(settings, name=f"meshforge-{'-'.join(a.name for a in self.agents)}")
         specs = [agent_consumer(a.name, settings) for a in self.agents]
+        # A push consumer is made by its Consumer (it needs the deliver group): streams only.
+        pulled = [] if self.deliver_group else specs
         if settings.provision:
-            await ensure(conn.js, default_streams(settings), specs)
+            await ensure(conn.js, default_streams(settings), pulled)
         else:
             # Least privilege: only what agents use must exist (not the control plane's).
             needed = [s for s in default_streams(settings) if s.name in _AGENT_STREAMS]
-            await verify(conn.js, needed, specs)
+            await verify(conn.js, needed, pulled)
         publisher = Publisher(conn.js, settings, self.metrics)
         for agent, spec in zip(self.agents, specs, strict=True):
             engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
             self._engines.append(engine)
-            consumer = Consumer(
-                conn, spec, batch_handler=engine.handle, settings=settings,
-                metrics=self.metrics, publisher=publisher, provision=False,
-            )  # fmt: skip
+            if self.deliver_group:
+                consumer = Consumer(
+                    conn, spec, handler=_one_by_one(engine), settings=settings, mode="push",
+                    deliver_group=self.deliver_group, metrics=self.metrics, publisher=publisher,
+                    provision=settings.provision,
+                )  # fmt: skip
+            else:
+                consumer = Consumer(
+                    conn, spec, batch_handler=engine.handle, settings=settings,
+                    metrics=self.metrics, publisher=publisher, provision=False,
+                )  # fmt: skip
             self._consumers.append(consumer)
         if self.metrics_port is not None:
             self._endpoint = await serve_http(
