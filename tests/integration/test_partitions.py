@@ -284,3 +284,19 @@ async def ensure_bucket_exists(js: Any) -> bool:
     except Exception:
         return False
     return True
+
+
+async def test_publish_adds_the_partition_token(nats_url: str, js: JetStreamContext) -> None:
+    from typer.testing import CliRunner
+
+    from meshforge.cli import app
+
+    body = '{"type": "pubpart.create", "payload": {}, "resource_id": "order-7"}'
+    env = {"MESHFORGE_PARTITIONS": "4", "MESHFORGE_NATS_URL": None, "MESHFORGE_CONFIG": None}
+    result = await asyncio.to_thread(
+        CliRunner().invoke, app, ["publish", "cmd.default.demo.pubpart.create", body, "--nats-url", nats_url], env=env
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().endswith("subject=cmd.default.demo.pubpart.create.3")
+    stored = await js.get_last_msg(STREAM_COMMANDS, "cmd.default.demo.pubpart.create.3")
+    assert decode(stored.data or b"", stored.headers or {}).resource_id == "order-7"

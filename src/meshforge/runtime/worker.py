@@ -222,6 +222,8 @@ class Worker:
             await asyncio.wait(until, return_when=asyncio.FIRST_COMPLETED)
             for task in owning:
                 task.cancel()
+            # No round may run beside the hand-back below.
+            await asyncio.gather(*owning, return_exceptions=True)
             await asyncio.gather(
                 *(c.stop(settings.shutdown_timeout) for c in self._consumers),
                 *(le.close() for le in self._leases),

@@ -6,8 +6,9 @@ from collections import Counter
 
 import pytest
 
+from meshforge.cli.publish import build_envelope
 from meshforge.config import load_settings
-from meshforge.envelope import Envelope
+from meshforge.envelope import Envelope, decode
 from meshforge.errors import ConfigError, InvalidSubject, TopologyError
 from meshforge.partitions import (
     fnv1a_32,
@@ -16,8 +17,11 @@ from meshforge.partitions import (
     partition_subject,
     partitioned,
 )
+from meshforge.runtime.agent import Agent, Event, Output, Send
+from meshforge.runtime.outputs import build_outputs
 from meshforge.scope import Scope, command_scope
 from meshforge.subjects import command_parts, overlaps, partitioned_command_subject
+from meshforge.sync_publisher import envelope_for
 from meshforge.topology import partition_consumers
 
 
@@ -93,3 +97,31 @@ def test_partitions_setting() -> None:
     assert (settings.partitions, settings.partition_lease) == (8, 3.0)
     with pytest.raises(ConfigError, match="MESHFORGE_PARTITIONS: expected an integer from 0 to 1024"):
         load_settings(env={"MESHFORGE_PARTITIONS": "-1"})
+
+
+def test_sends_to_a_partitioned_agent_carry_the_partition_of_their_resource() -> None:
+    class Pinger(Agent[None]):
+        name = "pinger"
+
+        def initial(self) -> None:
+            return None
+
+    cmd = Envelope.new("pinger.ping", {}, tenant_id="acme")
+    outputs: list[Output] = [
+        Event("pinged", {}),
+        Send("order", "create", {"x": 1}, resource_id="order-7"),
+        Send("order", "create", {"x": 2}),
+    ]
+    _, stored, _ = build_outputs(Pinger(), cmd, "p", "cmd.acme.shop.pinger.ping.2", outputs, None, 4)
+    assert stored[0].subject == "evt.acme.shop.pinger.pinged"  # events keep five tokens
+    assert stored[1].subject == "cmd.acme.shop.order.create.3"
+    no_resource = decode(stored[2].data, stored[2].headers)
+    assert stored[2].subject == f"cmd.acme.shop.order.create.{partition_of(no_resource.id, 4)}"
+    _, unpartitioned, _ = build_outputs(Pinger(), cmd, "p", "cmd.acme.shop.pinger.ping", outputs, None)
+    assert unpartitioned[1].subject == "cmd.acme.shop.order.create"
+
+
+def test_a_partitioned_subject_names_the_command_not_the_partition() -> None:
+    env = build_envelope("cmd.default.demo.order.create.3", '{"sku": "A-1"}', key=None, source="cli")
+    assert env.type == "order.create" and env.tenant_id == "default"
+    assert envelope_for("cmd.default.demo.order.create.3", {}).type == "order.create"
