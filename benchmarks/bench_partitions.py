@@ -32,6 +32,7 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
+from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -234,7 +235,7 @@ def main() -> None:
             f"{cpu.get('workers', 0):.1f}", f"{cpu.get('nats-server', 0):.1f}", f"{cpu.get('store', 0):.1f}",
             f"{ours / seconds:.2f}", f"{cpu.get('others', 0) / seconds:.2f} cores", "kept",
         )  # fmt: skip
-    console.print(table, width=160)
+    Console(width=170).print(table)  # wide: one line per run even without a terminal
     for workers in (2, 4):
         seconds, cpu = runs[workers]
         ratio = one / seconds
