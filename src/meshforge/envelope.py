@@ -168,6 +168,14 @@ class Envelope:
         """A copy with some fields changed."""
         return replace(self, **changes)
 
+    def addressed_to(self, subject: str) -> Envelope:
+        """This envelope as sent on ``subject``: a tenant left at ``default`` takes the tenant
+        a ``cmd.``/``evt.`` subject names, since the subject is the tenant's authority."""
+        if self.tenant_id != "default" or not subject.startswith(("cmd.", "evt.")):
+            return self
+        tenant = subject.split(".", 2)[1]
+        return self.with_(tenant_id=tenant) if tenant and tenant != "default" else self
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON object: unknown fields first (known ones win), optional control fields when set."""
         out: dict[str, Any] = dict(self.extra)
@@ -215,6 +223,7 @@ class Outbound:
 
     @classmethod
     def of(cls, subject: str, env: Envelope) -> Outbound:
+        env = env.addressed_to(subject)
         return cls(subject=subject, data=env.encode(), headers=env.headers(), msg_id=env.id)
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "agent_consumer",
     "agent_durable",
     "apply",
+    "consumer_replicas",
     "default_streams",
     "ensure",
     "node_consumer",
@@ -126,6 +127,7 @@ class ConsumerSpec:
     max_deliver: int = -1
     backoff: tuple[float, ...] = ()
     description: str = ""
+    replicas: int = 0  # 0: as many as the stream (the server's rule)
 
     def __post_init__(self) -> None:
         validate_subject(self.filter_subject, wildcards=True)
@@ -157,6 +159,7 @@ class ConsumerSpec:
             ack_wait=self.effective_ack_wait,
             max_deliver=self.max_deliver,
             backoff=list(self.backoff) or None,
+            num_replicas=self.replicas,
         )
 
 
@@ -190,6 +193,15 @@ def default_streams(settings: Settings) -> list[StreamSpec]:
         spec(STREAM_CONTROL, "control.cmd.>", "workqueue", "new", "node mailboxes"),
         spec(STREAM_REPLIES, "control.reply.>", "limits", "old", "node replies"),
     ]
+
+
+def consumer_replicas(settings: Settings) -> int:
+    """Replicas of the agent and node consumers: ``consumer_replicas``, else the streams'.
+
+    >>> consumer_replicas(Settings(replicas=3)), consumer_replicas(Settings(replicas=3, consumer_replicas=0))
+    (3, 0)
+    """
+    return settings.replicas if settings.consumer_replicas is None else settings.consumer_replicas
 
 
 def agent_durable(agent: str, tenant: str = "*", namespace: str = "*") -> str:
@@ -287,6 +299,7 @@ def _command_consumer(
         # Server rule: fewer backoff entries than MaxDeliver; the tail would never be used.
         backoff=settings.backoff[: max_deliver - 1],
         description=description,
+        replicas=consumer_replicas(settings),
     )
 
 
@@ -306,6 +319,7 @@ def node_consumer(site: str, node: str, settings: Settings) -> ConsumerSpec:
         max_deliver=-1,
         backoff=(),
         description=f"MeshForge node {site}.{node}",
+        replicas=consumer_replicas(settings),
     )
 
 
@@ -439,15 +453,21 @@ def describe_stream(cfg: StreamConfig) -> dict[str, str]:
     }
 
 
-def describe_consumer(cfg: ConsumerConfig) -> dict[str, str]:
-    """The fields provisioning manages, as shown in plans; equal views mean no change."""
+def describe_consumer(cfg: ConsumerConfig, stream_replicas: int | None = None) -> dict[str, str]:
+    """The fields provisioning manages, as shown in plans; equal views mean no change.
+
+    Replicas 0 means "as the stream": with ``stream_replicas`` known it shows that number,
+    so a consumer that inherits 3 and one set to 3 compare equal.
+    """
     filters = [cfg.filter_subject] if cfg.filter_subject else list(cfg.filter_subjects or [])
     max_deliver = cfg.max_deliver if cfg.max_deliver is not None else -1
+    replicas = cfg.num_replicas or stream_replicas
     return {
         "filter_subject": ", ".join(filters) or "(all)",
         "ack_wait": format_duration(cfg.ack_wait),
         "max_deliver": str(max_deliver) if max_deliver > 0 else "unlimited",
         "backoff": ",".join(format_duration(b) for b in cfg.backoff or []) or "none",
+        "replicas": str(replicas) if replicas else "as stream",
     }
 
 
@@ -459,6 +479,8 @@ def summarize(spec: StreamSpec | ConsumerSpec) -> str:
             del view["replicas"]
     else:
         view = describe_consumer(spec.config())
+        if view["replicas"] in ("1", "as stream"):
+            del view["replicas"]
     return "; ".join(f"{k} {v}" for k, v in view.items() if v not in ("unlimited", "none"))
 
 

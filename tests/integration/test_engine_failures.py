@@ -209,7 +209,7 @@ async def test_a_worker_told_to_stop_while_it_cannot_reach_nats_stops_at_once(
     caplog.set_level(logging.INFO, logger="meshforge.connection")
     worker = Worker([ledger_agent()], settings)
     run = asyncio.create_task(worker.run())
-    await wait_until(lambda: "attempt 1/100" in caplog.text, what="a failed connect attempt")
+    await wait_until(lambda: "(attempt 1 of 100)" in caplog.text, what="a failed connect attempt")
     await worker.stop()
     await asyncio.wait_for(run, 5)  # 100 attempts with backoff would take minutes
     assert not worker.ready.is_set()

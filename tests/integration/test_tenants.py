@@ -233,3 +233,11 @@ async def test_provisioning_never_rewrites_the_filter_a_worker_relies_on(
         assert kept.config.filter_subject == "cmd.tenantA.*.order.>"
     finally:
         await conn.close()
+
+
+async def test_an_envelope_left_at_the_default_tenant_takes_its_subjects(tenants: Tenants) -> None:
+    env = Envelope.new("order.create", {"sku": "A-1", "qty": 1}, source="test")
+    assert env.tenant_id == "default"
+    await tenants.publisher.publish(f"cmd.acme.{NS}.order.create", env)
+    created = await tenants.answer(env)
+    assert created.subject.startswith("evt.acme.") and created.tenant_id == "acme"

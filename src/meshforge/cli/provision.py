@@ -53,6 +53,14 @@ def provision(
             "--agent", metavar="NAME", help="Also provision <NAME>_consumer (repeatable)."
         ),
     ] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option("--tenant", help="The --agent consumers of workers bound to this tenant."),
+    ] = None,
+    namespace: Annotated[
+        str | None,
+        typer.Option("--namespace", help="The --agent consumers of workers bound to this namespace."),
+    ] = None,
     site: Annotated[
         str | None, typer.Option("--site", metavar="SITE", help="The site of the --node names.")
     ] = None,
@@ -93,10 +101,12 @@ def provision(
     if settings.partitions:
         # Partition durables (and the ownership bucket) instead of the one agent durable.
         consumers = [
-            spec for name in agent or [] for spec in partition_consumers(name, settings).values()
+            spec
+            for name in agent or []
+            for spec in partition_consumers(name, settings, tenant, namespace).values()
         ]
     else:
-        consumers = [agent_consumer(name, settings) for name in agent or []]
+        consumers = [agent_consumer(name, settings, tenant, namespace) for name in agent or []]
     consumers += [node_consumer(s, n, settings) for s, n in _site_nodes(site, node or [])]
     with nats_target(settings.nats_url) as url:
         asyncio.run(_provision(url, settings, streams, consumers, dry_run))
@@ -113,6 +123,7 @@ async def _provision(
 
     from meshforge.connection import connect
     from meshforge.provision import apply, plan
+    from meshforge.subjects import STREAM_CONTROL
 
     console = Console()
     async with await connect(settings, url=url, name="meshforge-provision") as conn:
@@ -128,6 +139,12 @@ async def _provision(
 
                 await ensure_bucket(conn.js, settings)
                 console.print(f"partition bucket {BUCKET}: lease {settings.partition_lease:g}s")
+            if any(c.stream == STREAM_CONTROL for c in consumers):
+                # Nodes announce themselves there; a node without API rights cannot make it.
+                from meshforge.control.presence import NODES_BUCKET, nodes_bucket
+
+                await nodes_bucket(conn.js, create=True, replicas=settings.replicas)
+                console.print(f"presence bucket {NODES_BUCKET} ready")
         elif planned.has_changes:
             console.print(f"dry run: {len(planned.pending)} change(s) planned, nothing applied")
         else:

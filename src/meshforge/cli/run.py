@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from meshforge.cli.common import NatsUrl, StoreUrl, nats_target
+from meshforge.cli.common import (
+    MetricsHost,
+    MetricsPort,
+    NatsUrl,
+    NoProvision,
+    StoreUrl,
+    nats_target,
+)
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
@@ -24,14 +31,9 @@ def run(
         typer.Argument(metavar="MODULE:AGENT...", help="Agents to run, e.g. meshforge.demo:OrderAgent."),
     ],
     store: StoreUrl = None,
-    no_provision: Annotated[
-        bool,
-        typer.Option("--no-provision", help="Use existing streams and consumers; fail if missing."),
-    ] = False,
-    metrics_port: Annotated[
-        int | None,
-        typer.Option("--metrics-port", min=0, max=65535, help="Serve /healthz /readyz /metrics here."),
-    ] = None,
+    no_provision: NoProvision = False,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = None,
     nats_url: NatsUrl = None,
     push: Annotated[
         bool, typer.Option("--push", help="Take commands from push consumers (needs --deliver-group).")
@@ -71,6 +73,7 @@ def run(
             "provision": False if no_provision else None,
             "metrics_port": metrics_port,
             "partitions": partitions,
+            "metrics_host": metrics_host,
         }
     )
     if settings.partitions and push:
@@ -114,7 +117,7 @@ async def _serve(agents: list[Any], settings: Settings, *, deliver_group: str | 
 
         async def relay_then_stop() -> None:
             try:
-                await run_relay(store, settings, stop)
+                await run_relay(store, settings, stop, metrics=worker.metrics)
             finally:  # a relay that fails stops the agents too: the process exits with its error
                 await worker.stop()
 

@@ -34,10 +34,12 @@ from typing import Any
 from meshforge.config import Settings, load_settings
 from meshforge.connection import Connection, connect
 from meshforge.consumer import Consumer
+from meshforge.deadletter import REASONS
 from meshforge.decisions import Decision, Delivery, Handler
 from meshforge.errors import ConfigError, one_line
 from meshforge.observability import HttpEndpoint, Metrics, serve_http
 from meshforge.partitions import Leases, ensure_bucket, lease_of, open_bucket
+from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
 from meshforge.publisher import Publisher
 from meshforge.runtime.agent import Agent
 from meshforge.runtime.engine import Engine
@@ -167,6 +169,8 @@ class Worker:
         store: Store | None = None,
         metrics: Metrics | None = None,
         metrics_port: int | None = None,
+        metrics_host: str | None = None,
+        probe_interval: float = DEFAULT_PROBE_INTERVAL,
         deliver_group: str | None = None,
     ) -> None:
         if not agents:
@@ -178,6 +182,8 @@ class Worker:
         self.settings = settings or load_settings()
         self.metrics = metrics or Metrics()
         self.metrics_port = metrics_port if metrics_port is not None else self.settings.metrics_port
+        self.metrics_host = metrics_host or self.settings.metrics_host
+        self.probe_interval = probe_interval
         # A deliver group: push consumers whose members share the messages (else pull).
         self.deliver_group = deliver_group
         self.ready = asyncio.Event()
@@ -190,6 +196,8 @@ class Worker:
         self._stopping = asyncio.Event()
         self._conn: Connection | None = None
         self._endpoint: HttpEndpoint | None = None
+        self._probes: asyncio.Task[None] | None = None
+        self.metrics.track(self.is_ready, self._connected)
 
     async def run(self) -> None:
         """Connect, provision (unless disabled), consume until ``stop()``, then clean up.
@@ -239,6 +247,10 @@ class Worker:
                 for task in part.tasks.values():
                     task.cancel()
             self.ready.clear()
+            if self._probes is not None:
+                self._probes.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._probes
             if self._endpoint is not None:
                 await self._endpoint.close()
                 self._endpoint = None
@@ -252,6 +264,12 @@ class Worker:
     async def _setup(self) -> None:
         """Store, connection, topology, then one engine and one consumer per agent."""
         settings = self.settings
+        if self.metrics_port is not None:
+            # First, so a port in use fails at once; /readyz says 503 until consuming.
+            self._endpoint = await serve_http(
+                self.metrics_host, self.metrics_port, self.metrics, self._health, self.is_ready
+            )
+            log.info("metrics on %s:%d", self._endpoint.host, self._endpoint.port)
         if self._store is None:
             self._store = await asyncio.to_thread(open_store, settings.store_url)
         if settings.partitions and self.deliver_group:
@@ -272,6 +290,9 @@ class Worker:
             await verify(conn.js, needed, pulled)
             kv = await open_bucket(conn.js) if parted else None
         publisher = Publisher(conn.js, settings, self.metrics)
+        consumed = pulled if parted else specs  # the durables this worker may consume
+        for spec in consumed:
+            self.metrics.prepare_consumer(spec.durable, REASONS)
         for index, (agent, spec) in enumerate(zip(self.agents, specs, strict=True)):
             engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
             self._engines.append(engine)
@@ -297,11 +318,27 @@ class Worker:
                     metrics=self.metrics, publisher=publisher, provision=False,
                 )  # fmt: skip
             self._consumers.append(consumer)
-        if self.metrics_port is not None:
-            self._endpoint = await serve_http(
-                "0.0.0.0", self.metrics_port, self.metrics, conn.health, self.ready.is_set
-            )
-            log.info("metrics on :%d", self._endpoint.port)
+        probes = Probes(conn.js, self.metrics, [(s.stream, s.durable) for s in consumed], store=self._store)
+        self._probes = asyncio.create_task(probes.run(self.probe_interval))
+
+    @property
+    def endpoint(self) -> HttpEndpoint | None:
+        """The running /healthz /readyz /metrics endpoint (None without a metrics port)."""
+        return self._endpoint
+
+    def is_ready(self) -> bool:
+        """Consuming and connected: what /readyz answers (503 while NATS is away)."""
+        return self.ready.is_set() and self._connected()
+
+    def _connected(self) -> bool:
+        return self._conn is not None and self._conn.current_state() == "connected"
+
+    async def _health(self) -> dict[str, Any]:
+        if self._conn is None:
+            return {"state": "connecting", "agents": [a.name for a in self.agents]}
+        report = await self._conn.health()
+        report["agents"] = [a.name for a in self.agents]
+        return report
 
     async def _wait_ready(
         self, runs: list[asyncio.Task[None]], stop: asyncio.Future[Any], rounds: list[asyncio.Event]
