@@ -75,6 +75,16 @@ def fresh_store(kind: str, tmp: Path, workers: int) -> tuple[list[str], str]:
     return [f"{PG_ADMIN.rsplit('/', 1)[0]}/{name}"] * workers, name
 
 
+def postgres_reachable() -> bool:
+    try:
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN, connect_timeout=3):
+            return True
+    except Exception:
+        return False
+
+
 def drop_store(kind: str, name: str) -> None:
     if kind == "postgres":
         import psycopg
@@ -216,6 +226,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="count = 4,000")
     args = parser.parse_args()
     count = 4_000 if args.quick else args.count
+    if args.store == "postgres" and not postgres_reachable():
+        console.print(f"PostgreSQL is not reachable at {PG_ADMIN}: one shared SQLite file instead")
+        args.store = "sqlite"
     count -= count % args.resources
     runs: dict[int, tuple[float, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(store_dir=Path(tmp) / "nats") as server:
