@@ -79,6 +79,8 @@ class Settings:
     max_bytes: int = -1
     batch_size: int = 64
     concurrency: int = 8
+    partitions: int = 0
+    partition_lease: float = 6.0
     publish_timeout: float = 5.0
     publish_attempts: int = 5
     publish_backoff_base: float = 0.1
@@ -294,6 +296,8 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "max_bytes": _int_at_least(1, minus_one=True),
     "batch_size": _int_at_least(1),
     "concurrency": _int_at_least(1),
+    "partitions": _int_between(0, 1024),
+    "partition_lease": _duration(positive=True),
     "publish_timeout": _duration(positive=True),
     "publish_attempts": _int_at_least(1),
     "publish_backoff_base": _duration(positive=True),

@@ -62,6 +62,7 @@ __all__ = [
     "default_streams",
     "ensure",
     "node_consumer",
+    "partition_consumers",
     "plan",
     "verify",
 ]
@@ -229,21 +230,75 @@ def agent_consumer(
     >>> agent_consumer("order", Settings(), tenant="acme").durable
     'order_consumer_acme_all'
     """
+    tenant, namespace = _binding(agent, settings, tenant, namespace)
+    return _command_consumer(
+        agent, settings, agent_durable(agent, tenant, namespace),
+        f"cmd.{tenant}.{namespace}.{agent}.>", f"MeshForge agent {agent}",
+    )  # fmt: skip
+
+
+def partition_consumers(
+    agent: str,
+    settings: Settings,
+    tenant: str | None = None,
+    namespace: str | None = None,
+    partitions: int | None = None,
+) -> dict[str, ConsumerSpec]:
+    """The durables of a partitioned agent, by slot: ``p0`` ... ``p<N-1>`` and ``u``.
+
+    Partition ``k`` is ``<durable>_p<k>`` filtered ``cmd.<t>.<ns>.<agent>.*.<k>``; slot
+    ``u`` is ``<durable>_unpartitioned`` filtered ``cmd.<t>.<ns>.<agent>.*`` (five tokens,
+    for publishers that do not partition). The filters are disjoint, as a work-queue
+    stream requires. ``partitions`` defaults to ``settings.partitions``.
+
+    >>> sorted(partition_consumers("order", Settings(), partitions=2))
+    ['p0', 'p1', 'u']
+    >>> partition_consumers("order", Settings(), partitions=2)["p1"].filter_subject
+    'cmd.*.*.order.*.1'
+    """
+    count = settings.partitions if partitions is None else partitions
+    if count < 1:
+        raise TopologyError(f"agent {agent}: partitions must be >= 1 to partition, got {count}")
+    tenant, namespace = _binding(agent, settings, tenant, namespace)
+    base = agent_durable(agent, tenant, namespace)
+    prefix = f"cmd.{tenant}.{namespace}.{agent}.*"
+    specs = {
+        f"p{k}": _command_consumer(
+            agent, settings, f"{base}_p{k}", f"{prefix}.{k}", f"MeshForge agent {agent} partition {k}"
+        )
+        for k in range(count)
+    }
+    specs["u"] = _command_consumer(
+        agent, settings, f"{base}_unpartitioned", prefix, f"MeshForge agent {agent} unpartitioned"
+    )
+    return specs
+
+
+def _binding(
+    agent: str, settings: Settings, tenant: str | None, namespace: str | None
+) -> tuple[str, str]:
+    """The tenant and namespace a worker is bound to (``*``: any), validated."""
     validate_token(agent, "agent name")
     tenant = tenant or settings.tenant
     namespace = namespace or settings.namespace
     tenant = validate_token(tenant, "tenant") if tenant else "*"
     namespace = validate_token(namespace, "namespace") if namespace else "*"
+    return tenant, namespace
+
+
+def _command_consumer(
+    agent: str, settings: Settings, durable: str, filter_subject: str, description: str
+) -> ConsumerSpec:
     max_deliver = settings.max_deliver + 1
     return ConsumerSpec(
         stream=STREAM_COMMANDS,
-        durable=agent_durable(agent, tenant, namespace),
-        filter_subject=f"cmd.{tenant}.{namespace}.{agent}.>",
+        durable=durable,
+        filter_subject=filter_subject,
         ack_wait=settings.ack_wait,
         max_deliver=max_deliver,
         # Server rule: fewer backoff entries than MaxDeliver; the tail would never be used.
         backoff=settings.backoff[: max_deliver - 1],
-        description=f"MeshForge agent {agent}",
+        description=description,
         replicas=consumer_replicas(settings),
     )
 
