@@ -18,7 +18,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -110,6 +110,30 @@ class StoredEvent(NewEvent):
     position: int
     stored_at: datetime
     scope: Scope = DEFAULT_SCOPE
+
+
+@dataclass(frozen=True, slots=True)
+class NewState:
+    """A resource's state snapshot to store, as of event ``position`` of its log."""
+
+    resource_id: str
+    data: bytes
+    position: int
+    scope: Scope = DEFAULT_SCOPE
+
+
+@dataclass(frozen=True, slots=True)
+class NewEffect:
+    """A processed idempotency key to store with the outputs its command produced."""
+
+    key: str
+    command_id: str
+    outputs: Sequence[StoredOutput]
+    scope: Scope = DEFAULT_SCOPE
+
+
+#: A resource id or an idempotency key with its scope: how the batch methods name rows.
+Scoped = tuple[Scope, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +232,10 @@ class Transaction(Protocol):
     def events_append(
         self, agent: str, events: Sequence[NewEvent], *, scope: Scope = DEFAULT_SCOPE
     ) -> list[int]:
-        """Append events to the log of (scope, agent); returns their positions (gapless from 1)."""
+        """Append events to the log of (scope, agent); returns their positions (gapless from 1).
+
+        The log's head row stays locked until the transaction ends, and every writer of the
+        log waits for it: append as late as you can, just before the commit."""
         ...
 
     def state_get(
@@ -227,6 +254,42 @@ class Transaction(Protocol):
         scope: Scope = DEFAULT_SCOPE,
     ) -> None:
         """Store the resource's state snapshot as of event ``position``."""
+        ...
+
+    # Batch forms: one statement for many rows (two for ``states_get`` on PostgreSQL),
+    # where the single-row methods above cost one round trip each. A batch of commands:
+    #
+    #     states = tx.states_get("order", [(scope, "o-1"), (scope, "o-2")])
+    #     done = tx.effects_get("order_consumer", [(scope, "k-1"), (scope, "k-2")])
+    #     ...                                     # run the commands whose done[...] is None
+    #     tx.effects_put("order_consumer", [NewEffect("k-1", "c-1", outputs, scope)])
+    #     positions = tx.events_append("order", events, scope=scope)
+    #     tx.states_put("order", [NewState("o-1", data, positions[-1], scope)])
+
+    def states_get(self, agent: str, resources: Iterable[Scoped]) -> dict[Scoped, bytes | None]:
+        """Lock and read the snapshots of many resources; an entry for every one asked,
+        None where none is stored yet. Locks are taken in one fixed order, so transactions
+        asking for overlapping sets take turns instead of deadlocking."""
+        ...
+
+    def states_put(self, agent: str, states: Sequence[NewState]) -> None:
+        """Store many snapshots at once; of one resource given twice the last one stays."""
+        ...
+
+    def effects_get(
+        self, consumer: str, keys: Iterable[Scoped]
+    ) -> dict[Scoped, list[StoredOutput] | None]:
+        """The outputs stored for each key (as ``effect_get``): an entry for every key asked."""
+        ...
+
+    def effects_put(self, consumer: str, effects: Sequence[NewEffect]) -> None:
+        """Record many keys as processed with their outputs. When any key is already stored
+        (or given twice) raise ``StoreError(kind="duplicate")`` naming it, and store none."""
+        ...
+
+    def effects_mark_published(self, consumer: str, keys: Iterable[Scoped]) -> int:
+        """Note that the outputs of these keys reached the broker; returns how many rows
+        were marked (a key whose effect retention already deleted is passed over)."""
         ...
 
     def outbox_add(self, *, msg_id: str, subject: str, data: bytes, headers: dict[str, str]) -> int:

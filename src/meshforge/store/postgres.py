@@ -60,6 +60,9 @@ def _to_store_error(exc: Exception) -> StoreError:
         return StoreError(text, kind="busy", retriable=True)
     if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
         return StoreError(text, kind="unavailable", retriable=True)
+    if isinstance(exc, psycopg.DataError):
+        # NUL in text, a bad encoding, a number out of range: this data can never be stored.
+        return StoreError(text, kind="invalid")
     return StoreError(text)
 
 
@@ -82,7 +85,14 @@ DIALECT = Dialect(
     for_update=" FOR UPDATE",
     skip_locked=" FOR UPDATE SKIP LOCKED",
     resource_lock=f"SELECT pg_advisory_xact_lock({_RESOURCE_LOCK}, hashtext(?))",
+    # In hash order, so two transactions locking overlapping sets cannot deadlock; the
+    # lock call runs after the sort (PostgreSQL evaluates volatile output columns last).
+    resources_lock=(
+        f"SELECT pg_advisory_xact_lock({_RESOURCE_LOCK}, h)"
+        " FROM (SELECT DISTINCT hashtext(n) AS h FROM unnest(?::text[]) AS u(n)) AS l ORDER BY h"
+    ),
     migration_lock=f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK}, 0)",
+    max_params=65535,
 )
 
 

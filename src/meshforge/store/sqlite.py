@@ -54,6 +54,8 @@ DIALECT = Dialect(
     ts_out=sqlite_ts_out,
     to_store_error=_to_store_error,
     driver_errors=(sqlite3.Error,),
+    # SQLite_MAX_VARIABLE_NUMBER: 32766 since 3.32, 999 before.
+    max_params=32766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 999,
 )
 
 

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, cast
 
 from meshforge.errors import StoreError
 from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store.base import InboxRecord, InboxStatus, NewEvent, StoredOutput
-from meshforge.store.sql import Dialect, Runner, clean_text, dump_headers, load_headers, ts_or_none
-
-P = ParamSpec("P")
-R = TypeVar("R")
+from meshforge.store.batch import BatchMethods
+from meshforge.store.sql import (
+    Dialect,
+    Runner,
+    clean_text,
+    dump_headers,
+    load_headers,
+    spoils,
+    ts_or_none,
+)
 
 INBOX_COLUMNS = (
     "key, consumer, message_id, type, subject, stream, stream_seq, status, attempts, "
@@ -37,9 +42,6 @@ ON CONFLICT (tenant, namespace, key, consumer) DO UPDATE SET
                   ELSE 'processing' END
 RETURNING {INBOX_COLUMNS}
 """
-
-# Rows per multi-row INSERT: far below every driver's parameter limit.
-_CHUNK = 100
 
 
 def inbox_record(dialect: Dialect, row: Sequence[Any]) -> InboxRecord:
@@ -68,23 +70,7 @@ def inbox_record(dialect: Dialect, row: Sequence[Any]) -> InboxRecord:
     )
 
 
-def _spoils(
-    method: Callable[Concatenate[SqlTransaction, P], R],
-) -> Callable[Concatenate[SqlTransaction, P], R]:
-    """Any StoreError from the method spoils the transaction, on every backend alike."""
-
-    @functools.wraps(method)
-    def wrapper(self: SqlTransaction, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return method(self, *args, **kwargs)
-        except StoreError:
-            self._run.failed = True
-            raise
-
-    return wrapper
-
-
-class SqlTransaction:
+class SqlTransaction(BatchMethods):
     """The ``Transaction`` protocol over one ``Runner``; see ``meshforge.store.base``."""
 
     def __init__(self, run: Runner, now: datetime) -> None:
@@ -97,11 +83,11 @@ class SqlTransaction:
     def failed(self) -> bool:
         return self._run.failed
 
-    @_spoils
+    @spoils
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         return self._run.rows(sql, params)
 
-    @_spoils
+    @spoils
     def inbox_begin(
         self,
         key: str,
@@ -126,7 +112,7 @@ class SqlTransaction:
         rows = self._run.rows(_INBOX_BEGIN, params)
         return inbox_record(self._d, rows[0])
 
-    @_spoils
+    @spoils
     def inbox_done(self, key: str, consumer: str, *, scope: Scope = DEFAULT_SCOPE) -> None:
         changed = self._run.count(
             "UPDATE meshforge_inbox SET status = 'processed', processed_at = ?, error = NULL,"
@@ -135,7 +121,7 @@ class SqlTransaction:
         )
         self._require(changed, "inbox", consumer, key)
 
-    @_spoils
+    @spoils
     def inbox_failed(
         self, key: str, consumer: str, error: str, *, scope: Scope = DEFAULT_SCOPE
     ) -> None:
@@ -147,7 +133,7 @@ class SqlTransaction:
         )  # fmt: skip
         self._require(changed, "inbox", consumer, key)
 
-    @_spoils
+    @spoils
     def effect_get(
         self, consumer: str, key: str, *, scope: Scope = DEFAULT_SCOPE
     ) -> list[StoredOutput] | None:
@@ -164,7 +150,7 @@ class SqlTransaction:
             return None
         return [output_of(row) for row in rows if row[0] is not None]
 
-    @_spoils
+    @spoils
     def effect_put(
         self,
         consumer: str,
@@ -199,7 +185,7 @@ class SqlTransaction:
             ],
         )  # fmt: skip
 
-    @_spoils
+    @spoils
     def effect_mark_published(
         self, consumer: str, key: str, *, scope: Scope = DEFAULT_SCOPE
     ) -> None:
@@ -210,7 +196,7 @@ class SqlTransaction:
         )
         self._require(changed, "effect", consumer, key)
 
-    @_spoils
+    @spoils
     def events_append(
         self, agent: str, events: Sequence[NewEvent], *, scope: Scope = DEFAULT_SCOPE
     ) -> list[int]:
@@ -238,7 +224,7 @@ class SqlTransaction:
         )  # fmt: skip
         return positions
 
-    @_spoils
+    @spoils
     def state_get(
         self, agent: str, resource_id: str, *, scope: Scope = DEFAULT_SCOPE
     ) -> bytes | None:
@@ -253,7 +239,7 @@ class SqlTransaction:
         )
         return bytes(rows[0][0]) if rows else None
 
-    @_spoils
+    @spoils
     def state_put(
         self,
         agent: str,
@@ -272,7 +258,7 @@ class SqlTransaction:
             (scope.tenant, scope.namespace, agent, resource_id, bytes(data), position, self._now),
         )
 
-    @_spoils
+    @spoils
     def outbox_add(self, *, msg_id: str, subject: str, data: bytes, headers: dict[str, str]) -> int:
         rows = self._run.rows(
             "INSERT INTO meshforge_outbox (msg_id, subject, data, headers, state, attempts,"
@@ -281,7 +267,7 @@ class SqlTransaction:
         )
         return int(rows[0][0])
 
-    @_spoils
+    @spoils
     def node_epoch_bump(self, site: str, node: str) -> int:
         rows = self._run.rows(
             "INSERT INTO meshforge_node_epochs (site, node, epoch, updated_at)"
@@ -292,14 +278,14 @@ class SqlTransaction:
         )
         return int(rows[0][0])
 
-    @_spoils
+    @spoils
     def node_epoch(self, site: str, node: str) -> int | None:
         rows = self._run.rows(
             "SELECT epoch FROM meshforge_node_epochs WHERE site = ? AND node = ?", (site, node)
         )
         return int(rows[0][0]) if rows else None
 
-    @_spoils
+    @spoils
     def node_reply_get(self, site: str, node: str, command_id: str) -> bytes | None:
         rows = self._run.rows(
             "SELECT reply FROM meshforge_node_replies"
@@ -308,7 +294,7 @@ class SqlTransaction:
         )
         return bytes(rows[0][0]) if rows else None
 
-    @_spoils
+    @spoils
     def node_reply_put(self, site: str, node: str, command_id: str, reply: bytes) -> None:
         try:
             self._run.rows(
@@ -325,14 +311,7 @@ class SqlTransaction:
             ) from exc
 
     def _insert_many(self, target: str, rows: Sequence[tuple[Any, ...]]) -> None:
-        if not rows:
-            return
-        group = "(" + ", ".join("?" * len(rows[0])) + ")"
-        for start in range(0, len(rows), _CHUNK):
-            chunk = rows[start : start + _CHUNK]
-            values = ", ".join([group] * len(chunk))
-            params = [value for row in chunk for value in row]
-            self._run.rows(f"INSERT INTO {target} VALUES {values}", params)
+        self._run.each(f"INSERT INTO {target} VALUES {{rows}}", rows)
 
     @staticmethod
     def _require(changed: int, what: str, consumer: str, key: str) -> None:
