@@ -16,9 +16,6 @@ from meshforge.scope import Scope
 from meshforge.store.base import NewEffect, NewState, Scoped, StoredOutput
 from meshforge.store.sql import Dialect, Runner, dump_headers, load_headers, spoils
 
-# Wrapped in a SELECT: SQLite scans the whole table for a bare ``IN (VALUES ...)``.
-_LISTED = "(SELECT * FROM (VALUES {rows}) AS v)"
-
 
 class BatchMethods:
     """``states_get``/``put``, ``effects_get``/``put``/``mark_published``; see ``base``."""
@@ -39,8 +36,7 @@ class BatchMethods:
             self._run.rows(self._d.resources_lock, (names,))
         rows = self._run.each(
             "SELECT tenant, namespace, resource_id, data FROM meshforge_states"
-            " WHERE agent = ? AND (tenant, namespace, resource_id) IN "
-            + _LISTED
+            " WHERE agent = ? AND (tenant, namespace, resource_id) IN ({keys})"
             + self._d.for_update,
             [(s.tenant, s.namespace, r) for s, r in slots],
             (agent,),
@@ -52,18 +48,29 @@ class BatchMethods:
     @spoils
     def states_put(self, agent: str, states: Sequence[NewState]) -> None:
         # One row per resource: an upsert may not touch the same row twice.
-        last = {(s.scope, s.resource_id): s for s in states}
-        self._run.each(
-            "INSERT INTO meshforge_states (tenant, namespace, agent, resource_id, data, position,"
-            " updated_at) VALUES {rows}"
+        last = list({(s.scope, s.resource_id): s for s in states}.values())
+        if not last:
+            return
+        upsert = (
             " ON CONFLICT (tenant, namespace, agent, resource_id) DO UPDATE"
             " SET data = excluded.data, position = excluded.position,"
-            " updated_at = excluded.updated_at",
-            [
-                (s.scope.tenant, s.scope.namespace, agent, s.resource_id, bytes(s.data),
-                 s.position, self._now)
-                for s in last.values()
-            ],
+            " updated_at = excluded.updated_at"
+        )
+        columns = "meshforge_states (tenant, namespace, agent, resource_id, data, position, updated_at)"
+        if self._d.arrays:
+            # Five arrays instead of seven values a row: far less to bind.
+            self._run.rows(
+                f"INSERT INTO {columns} SELECT t, n, ?, r, d, p, ? FROM unnest(?::text[],"
+                " ?::text[], ?::text[], ?::bytea[], ?::bigint[]) AS u(t, n, r, d, p)" + upsert,
+                (agent, self._now, [s.scope.tenant for s in last], [s.scope.namespace for s in last],
+                 [s.resource_id for s in last], [bytes(s.data) for s in last],
+                 [s.position for s in last]),
+            )  # fmt: skip
+            return
+        self._run.each(
+            f"INSERT INTO {columns} VALUES {{rows}}" + upsert,
+            [(s.scope.tenant, s.scope.namespace, agent, s.resource_id, bytes(s.data), s.position,
+              self._now) for s in last],
         )  # fmt: skip
 
     @spoils
@@ -77,9 +84,8 @@ class BatchMethods:
             " o.headers FROM meshforge_effects e LEFT JOIN meshforge_effect_outputs o"
             " ON o.tenant = e.tenant AND o.namespace = e.namespace"
             " AND o.consumer = e.consumer AND o.key = e.key"
-            " WHERE e.consumer = ? AND (e.tenant, e.namespace, e.key) IN "
-            + _LISTED
-            + " ORDER BY e.tenant, e.namespace, e.key, o.position",
+            " WHERE e.consumer = ? AND (e.tenant, e.namespace, e.key) IN ({keys})"
+            " ORDER BY e.tenant, e.namespace, e.key, o.position",
             [(s.tenant, s.namespace, k) for s, k in wanted],
             (consumer,),
         )
@@ -96,31 +102,37 @@ class BatchMethods:
     def effects_put(self, consumer: str, effects: Sequence[NewEffect]) -> None:
         if not effects:
             return
-        wanted = [(e.scope, e.key) for e in effects]
-        # DO NOTHING, then compare: a duplicate is named, and waits for (rather than
-        # races) a concurrent transaction storing the same key.
-        inserted = self._run.each(
-            "INSERT INTO meshforge_effects (tenant, namespace, consumer, key, command_id,"
-            " created_at) VALUES {rows}"
-            " ON CONFLICT (tenant, namespace, consumer, key) DO NOTHING"
-            " RETURNING tenant, namespace, key",
-            [(s.tenant, s.namespace, consumer, k, e.command_id, self._now)
-             for (s, k), e in zip(wanted, effects, strict=True)],
-        )  # fmt: skip
-        if len(inserted) != len(wanted):
-            stored = {(Scope(t, ns), k) for t, ns, k in inserted}
-            seen: set[Scoped] = set()
-            for scope, key in wanted:
-                if (scope, key) in seen or (scope, key) not in stored:
-                    raise StoreError(
-                        f"effect of consumer {consumer!r} key {key!r} in {scope} is already"
-                        " stored; storing it again would double the effect",
-                        kind="duplicate",
-                    )
-                seen.add((scope, key))
-        self._run.each(
-            "INSERT INTO meshforge_effect_outputs (tenant, namespace, consumer, key, position,"
-            " subject, msg_id, data, headers) VALUES {rows}",
+        seen: set[Scoped] = set()
+        for e in effects:
+            if (e.scope, e.key) in seen:
+                raise self._duplicate(consumer, f"key {e.key!r} in {e.scope} is given twice")
+            seen.add((e.scope, e.key))
+        rows = [(e.scope.tenant, e.scope.namespace, consumer, e.key, e.command_id, self._now)
+                for e in effects]  # fmt: skip
+        target = "meshforge_effects (tenant, namespace, consumer, key, command_id, created_at)"
+        if self._d.copy_in is not None:
+            try:
+                self._run.insert(target, rows)
+            except StoreError as exc:
+                if exc.kind != "duplicate":
+                    raise
+                raise self._duplicate(consumer, f"a key is already stored ({exc})") from exc
+        else:
+            # DO NOTHING, then compare: the duplicate is named, and a concurrent transaction
+            # storing the same key is waited for, as with a plain INSERT.
+            inserted = self._run.each(
+                f"INSERT INTO {target} VALUES {{rows}}"
+                " ON CONFLICT (tenant, namespace, consumer, key) DO NOTHING"
+                " RETURNING tenant, namespace, key",
+                rows,
+            )
+            if len(inserted) != len(rows):
+                stored = {(Scope(t, ns), k) for t, ns, k in inserted}
+                scope, key = next(k for k in seen if k not in stored)
+                raise self._duplicate(consumer, f"key {key!r} in {scope} is already stored")
+        self._run.insert(
+            "meshforge_effect_outputs (tenant, namespace, consumer, key, position, subject,"
+            " msg_id, data, headers)",
             [
                 (e.scope.tenant, e.scope.namespace, consumer, e.key, o.position, o.subject,
                  o.msg_id, bytes(o.data), dump_headers(o.headers))
@@ -129,11 +141,18 @@ class BatchMethods:
             ],
         )  # fmt: skip
 
+    @staticmethod
+    def _duplicate(consumer: str, what: str) -> StoreError:
+        return StoreError(
+            f"effects of consumer {consumer!r}: {what}; storing it again would double the effect",
+            kind="duplicate",
+        )
+
     @spoils
     def effects_mark_published(self, consumer: str, keys: Iterable[Scoped]) -> int:
         return self._run.each_count(
             "UPDATE meshforge_effects SET published_at = ?"
-            " WHERE consumer = ? AND (tenant, namespace, key) IN " + _LISTED,
+            " WHERE consumer = ? AND (tenant, namespace, key) IN ({keys})",
             [(s.tenant, s.namespace, k) for s, k in sorted(set(keys))],
             (self._now, consumer),
         )

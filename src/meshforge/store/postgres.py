@@ -17,9 +17,10 @@ Example::
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
@@ -66,6 +67,12 @@ def _to_store_error(exc: Exception) -> StoreError:
     return StoreError(text)
 
 
+def _copy_in(cursor: Cursor, target: str, rows: Sequence[Sequence[Any]]) -> None:
+    with cast("psycopg.Cursor[Any]", cursor).copy(f"COPY {target} FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row(row)
+
+
 def _ts_out(value: datetime) -> datetime:
     return value.astimezone(UTC)
 
@@ -93,6 +100,8 @@ DIALECT = Dialect(
     ),
     migration_lock=f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK}, 0)",
     max_params=65535,
+    copy_in=_copy_in,
+    arrays=True,
 )
 
 

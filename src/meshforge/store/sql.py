@@ -53,6 +53,10 @@ class Dialect:
     migration_lock: str | None = None
     # Bound parameters one statement may carry (multi-row writes are chunked below it).
     max_params: int = 999
+    # Fast paths where the driver has them: ``copy_in(cursor, "table (col, ...)", rows)``
+    # loads rows with one COPY; ``arrays`` binds a key list as one array per column.
+    copy_in: Callable[[Cursor, str, Sequence[Sequence[Any]]], None] | None = None
+    arrays: bool = False
 
     def ddl(self, template: str) -> str:
         """A DDL template with the dialect's column types filled in."""
@@ -161,12 +165,30 @@ class Runner:
         """Execute one statement; how many rows it changed."""
         return max(self._start(sql, params).rowcount, 0)
 
+    def insert(self, target: str, rows: Sequence[Sequence[Any]]) -> None:
+        """Insert ``rows`` into ``target`` (``"table (col, ...)"``): one COPY where the
+        driver has it (several times cheaper than binding every value), else multi-row
+        INSERTs."""
+        copy_in = self.dialect.copy_in
+        if copy_in is None:
+            self.each(f"INSERT INTO {target} VALUES {{rows}}", rows)
+            return
+        if not rows:
+            return
+        self._ensure_open()
+        try:
+            copy_in(self._cursor, target, rows)
+        except self.dialect.driver_errors as exc:
+            self.failed = True
+            raise self.dialect.to_store_error(exc) from exc
+
     def each(
         self, sql: str, rows: Sequence[Sequence[Any]], fixed: Sequence[Any] = ()
     ) -> list[tuple[Any, ...]]:
-        """Run ``sql``, whose ``{rows}`` stands for ``(?, ...), (?, ...)``, for all ``rows``
-        (after the ``fixed`` parameters) in as few statements as the parameter limit allows;
-        every row they return.
+        """Run ``sql`` for all ``rows`` (after the ``fixed`` parameters) in as few statements
+        as the parameter limit allows; every row they return. In ``sql``, ``{rows}`` stands
+        for ``(?, ...), (?, ...)``; ``{keys}`` for a query giving the rows, all text (one
+        array per column where the dialect has ``arrays``: one statement, whatever the size).
 
         Example: ``run.each("INSERT INTO t (a, b) VALUES {rows}", [(1, "x"), (2, "y")])``
         """
@@ -183,6 +205,16 @@ class Runner:
         if not rows:
             return
         width = len(rows[0])
+        if "{keys}" in sql:
+            if self.dialect.arrays:
+                columns = ", ".join(["?::text[]"] * width)
+                yield sql.replace("{keys}", f"SELECT * FROM unnest({columns})"), [
+                    *fixed,
+                    *(list(column) for column in zip(*rows, strict=True)),
+                ]
+                return
+            # Wrapped in a SELECT: SQLite scans the whole table for a bare IN (VALUES ...).
+            sql = sql.replace("{keys}", "SELECT * FROM (VALUES {rows}) AS v")
         group = "(" + ", ".join("?" * width) + ")"
         per = max(1, min(_MAX_ROWS, (self.dialect.max_params - len(fixed)) // width))
         for start in range(0, len(rows), per):
@@ -190,12 +222,15 @@ class Runner:
             params = [*fixed, *(value for row in chunk for value in row)]
             yield sql.replace("{rows}", ", ".join([group] * len(chunk))), params
 
-    def _start(self, sql: str, params: Sequence[Any]) -> Cursor:
+    def _ensure_open(self) -> None:
         if self.failed:
             raise StoreError(
                 f"{self.dialect.name} store: the transaction already failed and will roll back",
                 kind="error",
             )
+
+    def _start(self, sql: str, params: Sequence[Any]) -> Cursor:
+        self._ensure_open()
         try:
             self._cursor.execute(self.dialect.sql(sql), tuple(params))
         except self.dialect.driver_errors as exc:

@@ -311,7 +311,7 @@ class SqlTransaction(BatchMethods):
             ) from exc
 
     def _insert_many(self, target: str, rows: Sequence[tuple[Any, ...]]) -> None:
-        self._run.each(f"INSERT INTO {target} VALUES {{rows}}", rows)
+        self._run.insert(target, rows)
 
     @staticmethod
     def _require(changed: int, what: str, consumer: str, key: str) -> None:

@@ -119,7 +119,7 @@ def test_a_duplicate_effect_is_named_and_stores_nothing(
     with pytest.raises(StoreError) as caught, store.transaction() as tx:
         tx.effects_put(CONSUMER, batch)
     assert caught.value.kind == "duplicate" and not caught.value.retriable
-    assert "'k-2'" in str(caught.value) and "tenantA/demo" in str(caught.value)
+    assert "k-2" in str(caught.value) and "tenantA" in str(caught.value)
     with store.transaction() as tx:
         stored = tx.effects_get(CONSUMER, [(A, "k-1"), (A, "k-2")])
     assert stored[(A, "k-1")] is None  # rolled back with the duplicate
