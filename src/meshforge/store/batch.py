@@ -35,11 +35,11 @@ class BatchMethods:
             names = [f"{s.tenant}\x1f{s.namespace}\x1f{agent}\x1f{r}" for s, r in slots]
             self._run.rows(self._d.resources_lock, (names,))
         rows = self._run.each(
-            "SELECT tenant, namespace, resource_id, data FROM meshforge_states"
-            " WHERE agent = ? AND (tenant, namespace, resource_id) IN ({keys})"
-            + self._d.for_update,
-            [(s.tenant, s.namespace, r) for s, r in slots],
-            (agent,),
+            "SELECT s.tenant, s.namespace, s.resource_id, s.data FROM ({keys}) AS u"
+            " JOIN meshforge_states s ON s.tenant = u.column1 AND s.namespace = u.column2"
+            " AND s.agent = u.column3 AND s.resource_id = u.column4"
+            + (self._d.for_update + " OF s" if self._d.for_update else ""),
+            [(s.tenant, s.namespace, agent, r) for s, r in slots],
         )
         for tenant, namespace, resource_id, data in rows:
             found[(Scope(tenant, namespace), resource_id)] = bytes(data)
@@ -81,13 +81,12 @@ class BatchMethods:
         found: dict[Scoped, list[StoredOutput] | None] = dict.fromkeys(wanted)
         rows = self._run.each(
             "SELECT e.tenant, e.namespace, e.key, o.position, o.subject, o.msg_id, o.data,"
-            " o.headers FROM meshforge_effects e LEFT JOIN meshforge_effect_outputs o"
-            " ON o.tenant = e.tenant AND o.namespace = e.namespace"
-            " AND o.consumer = e.consumer AND o.key = e.key"
-            " WHERE e.consumer = ? AND (e.tenant, e.namespace, e.key) IN ({keys})"
+            " o.headers FROM ({keys}) AS u JOIN meshforge_effects e ON e.tenant = u.column1"
+            " AND e.namespace = u.column2 AND e.consumer = u.column3 AND e.key = u.column4"
+            " LEFT JOIN meshforge_effect_outputs o ON o.tenant = e.tenant"
+            " AND o.namespace = e.namespace AND o.consumer = e.consumer AND o.key = e.key"
             " ORDER BY e.tenant, e.namespace, e.key, o.position",
-            [(s.tenant, s.namespace, k) for s, k in wanted],
-            (consumer,),
+            [(s.tenant, s.namespace, consumer, k) for s, k in wanted],
         )
         for tenant, namespace, key, position, subject, msg_id, data, headers in rows:
             outputs = found.get((scope := Scope(tenant, namespace), key))
@@ -151,8 +150,9 @@ class BatchMethods:
     @spoils
     def effects_mark_published(self, consumer: str, keys: Iterable[Scoped]) -> int:
         return self._run.each_count(
-            "UPDATE meshforge_effects SET published_at = ?"
-            " WHERE consumer = ? AND (tenant, namespace, key) IN ({keys})",
-            [(s.tenant, s.namespace, k) for s, k in sorted(set(keys))],
-            (self._now, consumer),
+            "UPDATE meshforge_effects SET published_at = ? FROM ({keys}) AS u"
+            " WHERE tenant = u.column1 AND namespace = u.column2 AND consumer = u.column3"
+            " AND key = u.column4",
+            [(s.tenant, s.namespace, consumer, k) for s, k in sorted(set(keys))],
+            (self._now,),
         )

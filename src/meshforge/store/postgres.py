@@ -7,7 +7,10 @@ serialisation failure or deadlock raises ``StoreError(retriable=True)``: run the
 transaction again (``Store.run`` does).
 
 URL options, besides everything libpq accepts: ``schema`` (created if missing, put first
-on the search path) and ``pool_size`` (default 10).
+on the search path) and ``pool_size`` (default 10). Statements are planned on every
+execution (``plan_cache_mode=force_custom_plan`` unless ``options`` sets it), so a plan
+made while the tables were small never outlives their growth. Batches are written with
+COPY and read with one array per key column.
 
 Example::
 
@@ -21,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, cast
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -124,7 +127,8 @@ def parse_url(url: str) -> tuple[str, str | None, int]:
             pool_size = int(value)
         else:
             rest.append((name, value))
-    base = urlunsplit(parts._replace(query=urlencode(rest)))
+    # %20, not "+": libpq does not read "+" as a space (options="-c a=b -c c=d").
+    base = urlunsplit(parts._replace(query=urlencode(rest, quote_via=quote)))
     try:
         params = conninfo_to_dict(base)
     except psycopg.ProgrammingError as exc:
@@ -132,9 +136,14 @@ def parse_url(url: str) -> tuple[str, str | None, int]:
     extra: dict[str, str | int] = {}
     if "connect_timeout" not in params:
         extra["connect_timeout"] = _CONNECT_TIMEOUT
+    options = str(params.get("options") or "")
+    if "plan_cache_mode" not in options:
+        # A plan cached while the tables were small (a seq scan) would stay after they
+        # grew until an ANALYZE; planning every execution costs far less than that risk.
+        options += " -c plan_cache_mode=force_custom_plan"
     if schema is not None:
-        options = str(params.get("options") or "")
-        extra["options"] = f"{options} -c search_path={schema}".strip()
+        options += f" -c search_path={schema}"
+    extra["options"] = options.strip()
     return make_conninfo(base, **extra), schema, pool_size
 
 

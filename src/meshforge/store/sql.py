@@ -186,9 +186,13 @@ class Runner:
         self, sql: str, rows: Sequence[Sequence[Any]], fixed: Sequence[Any] = ()
     ) -> list[tuple[Any, ...]]:
         """Run ``sql`` for all ``rows`` (after the ``fixed`` parameters) in as few statements
-        as the parameter limit allows; every row they return. In ``sql``, ``{rows}`` stands
-        for ``(?, ...), (?, ...)``; ``{keys}`` for a query giving the rows, all text (one
-        array per column where the dialect has ``arrays``: one statement, whatever the size).
+        as the parameter limit allows; every row they return.
+
+        In ``sql``, ``{rows}`` stands for ``(?, ...), (?, ...)``; ``{keys}`` for a table of
+        the rows (all text) with columns ``column1``, ``column2``, ...: bound as one array
+        per column where the dialect has ``arrays`` (one statement whatever the size).
+        Join it to the table it names rows of: a join probes the primary key once a key
+        on every backend and with any statistics, where ``= ANY`` or ``IN`` may scan.
 
         Example: ``run.each("INSERT INTO t (a, b) VALUES {rows}", [(1, "x"), (2, "y")])``
         """
@@ -207,14 +211,12 @@ class Runner:
         width = len(rows[0])
         if "{keys}" in sql:
             if self.dialect.arrays:
-                columns = ", ".join(["?::text[]"] * width)
-                yield sql.replace("{keys}", f"SELECT * FROM unnest({columns})"), [
-                    *fixed,
-                    *(list(column) for column in zip(*rows, strict=True)),
-                ]
+                arrays = ", ".join(["?::text[]"] * width)
+                names = ", ".join(f"column{n}" for n in range(1, width + 1))
+                source = f"SELECT * FROM unnest({arrays}) AS k({names})"
+                yield sql.replace("{keys}", source), [*fixed, *map(list, zip(*rows, strict=True))]
                 return
-            # Wrapped in a SELECT: SQLite scans the whole table for a bare IN (VALUES ...).
-            sql = sql.replace("{keys}", "SELECT * FROM (VALUES {rows}) AS v")
+            sql = sql.replace("{keys}", "VALUES {rows}")
         group = "(" + ", ".join("?" * width) + ")"
         per = max(1, min(_MAX_ROWS, (self.dialect.max_params - len(fixed)) // width))
         for start in range(0, len(rows), per):

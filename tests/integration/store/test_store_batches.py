@@ -12,7 +12,7 @@ import pytest
 
 from meshforge.errors import StoreError
 from meshforge.scope import DEFAULT_SCOPE, Scope
-from meshforge.store import NewEffect, NewState, Store, StoredOutput
+from meshforge.store import NewEffect, NewState, Store, StoredOutput, open_store
 
 A = Scope("tenantA", "demo")
 B = Scope("tenantB", "demo")
@@ -222,3 +222,19 @@ def test_overlapping_batches_take_turns_without_deadlock(pg_store: Store) -> Non
     assert all(
         final[(A, r)] == str(30 + (15 if n % 2 == 0 else 0)).encode() for n, r in enumerate(ids)
     )
+
+
+def test_postgresql_plans_every_execution_and_keeps_url_options(pg_schema_url: str) -> None:
+    """A plan cached while the tables were empty (a seq scan) must not outlive their growth;
+    a libpq ``options`` value with spaces reaches the server intact."""
+    with (
+        open_store(pg_schema_url + "&options=-c%20work_mem%3D7MB") as store,
+        store.transaction() as tx,
+    ):
+        assert tx.execute("SHOW plan_cache_mode") == [("force_custom_plan",)]
+        assert tx.execute("SHOW work_mem") == [("7MB",)]
+    with (
+        open_store(pg_schema_url + "&options=-c%20plan_cache_mode%3Dauto") as store,
+        store.transaction() as tx,
+    ):
+        assert tx.execute("SHOW plan_cache_mode") == [("auto",)]  # the user's choice stands
