@@ -7,10 +7,8 @@ serialisation failure or deadlock raises ``StoreError(retriable=True)``: run the
 transaction again (``Store.run`` does).
 
 URL options, besides everything libpq accepts: ``schema`` (created if missing, put first
-on the search path) and ``pool_size`` (default 10). Statements are planned on every
-execution (``plan_cache_mode=force_custom_plan`` unless ``options`` sets it), so a plan
-made while the tables were small never outlives their growth. Batches are written with
-COPY and read with one array per key column.
+on the search path) and ``pool_size`` (default 10). Batches are written with COPY and
+read with one array per key column.
 
 Example::
 
@@ -76,6 +74,12 @@ def _copy_in(cursor: Cursor, target: str, rows: Sequence[Sequence[Any]]) -> None
             copy.write_row(row)
 
 
+def _execute_fresh(cursor: Cursor, sql: str, params: Sequence[Any]) -> None:
+    # Never a prepared (generic) plan: one made while the tables were small (a seq scan)
+    # would outlive their growth until an ANALYZE, which may never come.
+    cast("psycopg.Cursor[Any]", cursor).execute(sql, params, prepare=False)
+
+
 def _ts_out(value: datetime) -> datetime:
     return value.astimezone(UTC)
 
@@ -104,6 +108,7 @@ DIALECT = Dialect(
     migration_lock=f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK}, 0)",
     max_params=65535,
     copy_in=_copy_in,
+    execute_fresh=_execute_fresh,
     arrays=True,
 )
 
@@ -136,14 +141,9 @@ def parse_url(url: str) -> tuple[str, str | None, int]:
     extra: dict[str, str | int] = {}
     if "connect_timeout" not in params:
         extra["connect_timeout"] = _CONNECT_TIMEOUT
-    options = str(params.get("options") or "")
-    if "plan_cache_mode" not in options:
-        # A plan cached while the tables were small (a seq scan) would stay after they
-        # grew until an ANALYZE; planning every execution costs far less than that risk.
-        options += " -c plan_cache_mode=force_custom_plan"
     if schema is not None:
-        options += f" -c search_path={schema}"
-    extra["options"] = options.strip()
+        options = str(params.get("options") or "")
+        extra["options"] = f"{options} -c search_path={schema}".strip()
     return make_conninfo(base, **extra), schema, pool_size
 
 

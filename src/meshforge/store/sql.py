@@ -57,6 +57,8 @@ class Dialect:
     # loads rows with one COPY; ``arrays`` binds a key list as one array per column.
     copy_in: Callable[[Cursor, str, Sequence[Sequence[Any]]], None] | None = None
     arrays: bool = False
+    # Execute planned for these values, never from a cached plan (joins over key lists).
+    execute_fresh: Callable[[Cursor, str, Sequence[Any]], None] | None = None
 
     def ddl(self, template: str) -> str:
         """A DDL template with the dialect's column types filled in."""
@@ -150,9 +152,12 @@ class Runner:
         self.failed = False
         self._cursor = cursor
 
-    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        """Execute one statement; its result rows, or [] when it returns none."""
-        cursor = self._start(sql, params)
+    def rows(
+        self, sql: str, params: Sequence[Any] = (), *, fresh: bool = False
+    ) -> list[tuple[Any, ...]]:
+        """Execute one statement; its result rows, or [] when it returns none. ``fresh``:
+        plan it for these values, not from a plan cached for the statement."""
+        cursor = self._start(sql, params, fresh=fresh)
         try:
             if cursor.description is None:
                 return []
@@ -161,9 +166,9 @@ class Runner:
             self.failed = True
             raise self.dialect.to_store_error(exc) from exc
 
-    def count(self, sql: str, params: Sequence[Any] = ()) -> int:
+    def count(self, sql: str, params: Sequence[Any] = (), *, fresh: bool = False) -> int:
         """Execute one statement; how many rows it changed."""
-        return max(self._start(sql, params).rowcount, 0)
+        return max(self._start(sql, params, fresh=fresh).rowcount, 0)
 
     def insert(self, target: str, rows: Sequence[Sequence[Any]]) -> None:
         """Insert ``rows`` into ``target`` (``"table (col, ...)"``): one COPY where the
@@ -192,16 +197,20 @@ class Runner:
         the rows (all text) with columns ``column1``, ``column2``, ...: bound as one array
         per column where the dialect has ``arrays`` (one statement whatever the size).
         Join it to the table it names rows of: a join probes the primary key once a key
-        on every backend and with any statistics, where ``= ANY`` or ``IN`` may scan.
+        on every backend and with any statistics, where ``= ANY`` or ``IN`` may scan. Such
+        a statement is planned afresh on every execution (``Dialect.execute_fresh``).
 
         Example: ``run.each("INSERT INTO t (a, b) VALUES {rows}", [(1, "x"), (2, "y")])``
         """
+        fresh = "{keys}" in sql
         chunks = self._chunks(sql, rows, fixed)
-        return [row for text, params in chunks for row in self.rows(text, params)]
+        return [row for text, params in chunks for row in self.rows(text, params, fresh=fresh)]
 
     def each_count(self, sql: str, rows: Sequence[Sequence[Any]], fixed: Sequence[Any] = ()) -> int:
         """Like ``each`` for a statement that changes rows: how many it changed in all."""
-        return sum(self.count(text, params) for text, params in self._chunks(sql, rows, fixed))
+        fresh = "{keys}" in sql
+        chunks = self._chunks(sql, rows, fixed)
+        return sum(self.count(text, params, fresh=fresh) for text, params in chunks)
 
     def _chunks(
         self, sql: str, rows: Sequence[Sequence[Any]], fixed: Sequence[Any]
@@ -231,10 +240,13 @@ class Runner:
                 kind="error",
             )
 
-    def _start(self, sql: str, params: Sequence[Any]) -> Cursor:
+    def _start(self, sql: str, params: Sequence[Any], *, fresh: bool = False) -> Cursor:
         self._ensure_open()
         try:
-            self._cursor.execute(self.dialect.sql(sql), tuple(params))
+            if fresh and self.dialect.execute_fresh is not None:
+                self.dialect.execute_fresh(self._cursor, self.dialect.sql(sql), tuple(params))
+            else:
+                self._cursor.execute(self.dialect.sql(sql), tuple(params))
         except self.dialect.driver_errors as exc:
             self.failed = True
             raise self.dialect.to_store_error(exc) from exc
