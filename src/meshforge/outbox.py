@@ -29,6 +29,7 @@ import random
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 
 from meshforge.envelope import Envelope, Outbound
@@ -37,10 +38,10 @@ from meshforge.faults import crash_point
 from meshforge.observability import Metrics
 from meshforge.publisher import Publisher, PublishResult
 from meshforge.retention import cleanup_once
-from meshforge.store.base import OutboxRow, Store, Transaction
+from meshforge.store.base import OutboxMessage, OutboxRow, Store, Transaction
 from meshforge.subjects import validate_subject
 
-__all__ = ["OutboxRelay", "enqueue"]
+__all__ = ["OutboxRelay", "enqueue", "enqueue_many"]
 
 log = logging.getLogger("meshforge.outbox")
 
@@ -63,6 +64,23 @@ def enqueue(tx: Transaction, subject: str, envelope: Envelope) -> int:
     return tx.outbox_add(
         msg_id=envelope.id, subject=subject, data=envelope.encode(), headers=envelope.headers()
     )
+
+
+def enqueue_many(tx: Transaction, messages: Iterable[tuple[str, Envelope]]) -> list[int]:
+    """Add many ``(subject, envelope)`` messages in one statement; returns their row ids.
+
+    Every subject is checked before anything is added.
+
+    Example::
+
+        with store.transaction() as tx:
+            enqueue_many(tx, [("evt.default.demo.order.created", env) for env in envs])
+    """
+    rows = []
+    for subject, envelope in messages:
+        validate_subject(subject)
+        rows.append(OutboxMessage(envelope.id, subject, envelope.encode(), envelope.headers()))
+    return tx.outbox_add_many(rows)
 
 
 class OutboxRelay:
@@ -121,7 +139,7 @@ class OutboxRelay:
         self._done.set()
         self._next_depth = 0.0
         self._next_cleanup = 0.0
-        self._marking: asyncio.Future[int] | None = None
+        self._unmarked: list[int] = []  # published, not yet marked sent
 
     # ------------------------------------------------------------------ control
     def notify(self) -> None:
@@ -138,8 +156,9 @@ class OutboxRelay:
     async def run(self) -> None:
         """Publish due rows until ``stop()``; idle with backoff (up to ``idle`` s) when none.
 
-        While one batch is published the next is claimed in the store thread, so the store
-        and the network work side by side; a claimed batch is always published, also when
+        While one batch is published the next is claimed in the store thread, in the same
+        transaction that marks the batch before sent, so the store and the network work
+        side by side at one commit a batch; a claimed batch is always published, also when
         ``stop()`` comes meanwhile.
         """
         if not self._done.is_set():
@@ -158,10 +177,8 @@ class OutboxRelay:
                     self._claimed = len(rows)
                     if len(rows) >= self.batch_size and not self._stopping.is_set():
                         ahead = self._claim()  # more are probably due
-                    # With a batch coming, its rows are marked sent while the next publishes.
+                    # With a batch coming, these rows are marked sent when it is claimed.
                     await self._deliver(rows, defer=ahead is not None)
-                    if ahead is None:
-                        await self._settle_marking()
                     await self._housekeeping()
                 except StoreError as exc:
                     if exc.kind == "closed":
@@ -177,13 +194,12 @@ class OutboxRelay:
                 woken = await self._idle(pause)
                 pause = _IDLE_START if woken else min(pause * 2, self.idle)
             try:
-                await self._settle_marking()  # left by a store error just before stop()
+                await self._flush_marks()  # left by a store error just before stop()
             except StoreError as exc:
                 log.warning("outbox relay %s: %s", self.relay_id, exc)
         finally:
             if ahead is not None:  # only when run() itself was cancelled or failed
                 ahead.cancel()
-            self._marking = None
             self._done.set()
             log.info("outbox relay %s stopped (%d rows sent)", self.relay_id, self.sent_total)
 
@@ -203,15 +219,28 @@ class OutboxRelay:
         return await self._deliver(rows)
 
     def _claim(self) -> asyncio.Future[list[OutboxRow]]:
-        return asyncio.ensure_future(
-            asyncio.to_thread(self.store.outbox_claim, self.relay_id, self.batch_size, self.lease_seconds)
-        )
+        """Claim the next batch in the store thread; the rows published since the last
+        mark are marked sent in the same transaction."""
+        marks, self._unmarked = self._unmarked, []
+        return asyncio.ensure_future(self._claim_marking(marks))
+
+    async def _claim_marking(self, marks: list[int]) -> list[OutboxRow]:
+        try:
+            rows = await asyncio.to_thread(
+                self.store.outbox_claim, self.relay_id, self.batch_size, self.lease_seconds,
+                mark_sent=marks,
+            )  # fmt: skip
+        except BaseException:
+            self._unmarked = marks + self._unmarked  # marked with the next claim or flush
+            raise
+        self.sent_total += len(marks)
+        return rows
 
     async def _deliver(self, rows: list[OutboxRow], *, defer: bool = False) -> int:
         """Publish claimed rows and record the outcome; returns rows sent.
 
-        With ``defer`` the rows are marked sent in the background (one marking at a time;
-        ``_settle_marking`` waits for it), so the caller can publish the next batch.
+        With ``defer`` the rows sent are marked by the next ``_claim`` (or
+        ``_flush_marks``), in its transaction, instead of one of their own now.
         """
         if not rows:
             return 0
@@ -231,25 +260,25 @@ class OutboxRelay:
             for row, out in zip(rows, outcomes, strict=True)
             if isinstance(out, PublishResult)
         ]
-        if sent:
-            await self._settle_marking()
-            self._marking = asyncio.ensure_future(asyncio.to_thread(self._mark_sent, sent))
-            if not defer:
-                await self._settle_marking()
+        self._unmarked += sent
+        if not defer:
+            await self._flush_marks()
         for row, out in zip(rows, outcomes, strict=True):
             if isinstance(out, PublishError):
                 await self._failed(row, out)
         return len(sent)
 
-    def _mark_sent(self, ids: list[int]) -> int:
-        self.store.outbox_mark_sent(ids)
-        return len(ids)
-
-    async def _settle_marking(self) -> None:
-        """Wait for the rows being marked sent, if any (a store error is raised here)."""
-        marking, self._marking = self._marking, None
-        if marking is not None:
-            self.sent_total += await marking
+    async def _flush_marks(self) -> None:
+        """Mark the rows published since the last mark sent (a store error is raised here)."""
+        marks, self._unmarked = self._unmarked, []
+        if not marks:
+            return
+        try:
+            await asyncio.to_thread(self.store.outbox_mark_sent, marks)
+        except BaseException:
+            self._unmarked = marks + self._unmarked
+            raise
+        self.sent_total += len(marks)
 
     async def _failed(self, row: OutboxRow, err: PublishError) -> None:
         attempts = row.attempts + 1

@@ -16,7 +16,7 @@ from meshforge.config import Settings, load_settings
 from meshforge.envelope import H_MSG_ID, Envelope
 from meshforge.errors import InvalidSubject
 from meshforge.observability import Metrics
-from meshforge.outbox import OutboxRelay, enqueue
+from meshforge.outbox import OutboxRelay, enqueue, enqueue_many
 from meshforge.publisher import Publisher
 from meshforge.store import Store, open_store
 from meshforge.subjects import STREAM_EVENTS
@@ -286,3 +286,49 @@ async def test_run_claims_ahead_and_still_sends_each_row_once_in_order(
     assert await relay.depth() == 0
     assert await read_ids(streams, subject) == [e.id for e in batch]
     assert count(metrics.publish_duplicates, stream=STREAM_EVENTS) == 0
+
+
+class CountingStore:
+    """The store, counting the relay's outbox calls (a commit each)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.claims = 0
+        self.marks = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    def outbox_claim(self, *args: object, **kwargs: object) -> object:
+        self.claims += 1
+        return self._store.outbox_claim(*args, **kwargs)  # type: ignore[arg-type]
+
+    def outbox_mark_sent(self, ids: list[int]) -> None:
+        self.marks += 1
+        self._store.outbox_mark_sent(ids)
+
+
+async def test_enqueue_many_rows_go_out_in_order_at_one_commit_a_batch(
+    streams: JetStreamContext, store: Store, subject: str
+) -> None:
+    batch = envs(1000)
+    with pytest.raises(InvalidSubject), store.transaction() as tx:
+        enqueue_many(tx, [(subject, batch[0]), ("evt.bad subject", batch[1])])
+    assert rows(store) == []  # nothing of a call with a bad subject is added
+    for start in range(0, len(batch), 100):
+        with store.transaction() as tx:
+            ids = enqueue_many(tx, [(subject, env) for env in batch[start : start + 100]])
+            assert ids == sorted(ids) and len(ids) == 100
+    counting = CountingStore(store)
+    relay = OutboxRelay(counting, Publisher(streams, settings(), Metrics()), batch_size=200, idle=0.05)  # type: ignore[arg-type]
+    task = asyncio.create_task(relay.run())
+    try:
+        await until(lambda: relay.sent_total == len(batch), within=30)
+    finally:
+        await relay.stop(timeout=10)
+    assert task.done() and task.exception() is None
+    assert await read_ids(streams, subject) == [e.id for e in batch]
+    assert await relay.depth() == 0
+    # Five full batches: each claim after the first marks the batch before it sent; one
+    # mark of its own for the last batch, not one per batch.
+    assert counting.marks <= 2, (counting.claims, counting.marks)

@@ -132,6 +132,16 @@ class NewEffect:
     scope: Scope = DEFAULT_SCOPE
 
 
+@dataclass(frozen=True, slots=True)
+class OutboxMessage:
+    """A message to queue in the outbox (``Transaction.outbox_add_many``)."""
+
+    msg_id: str
+    subject: str
+    data: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
 #: A resource id or an idempotency key with its scope: how the batch methods name rows.
 Scoped = tuple[Scope, str]
 
@@ -296,6 +306,13 @@ class Transaction(Protocol):
         """Queue a message for the relay; returns its row id."""
         ...
 
+    def outbox_add_many(self, messages: Sequence[OutboxMessage]) -> list[int]:
+        """Queue many messages in one statement; returns their row ids, in order.
+
+        Example: ``tx.outbox_add_many([OutboxMessage("m-1", "evt.default.demo.a.b", b"{}", {})])``
+        """
+        ...
+
     def node_epoch_bump(self, site: str, node: str) -> int:
         """Count one more boot of the node: 1 on the first, one higher each call."""
         ...
@@ -350,8 +367,19 @@ class Store(Protocol):
 
     def __exit__(self, *exc: object) -> None: ...
 
-    def outbox_claim(self, relay_id: str, limit: int, lease_seconds: float) -> list[OutboxRow]:
-        """Lease up to ``limit`` due rows (pending, expired lease, or failed and due) by id."""
+    def outbox_claim(
+        self,
+        relay_id: str,
+        limit: int,
+        lease_seconds: float,
+        *,
+        mark_sent: Sequence[int] = (),
+    ) -> list[OutboxRow]:
+        """Lease up to ``limit`` due rows (pending, expired lease, or failed and due) by id;
+        in the same transaction mark the rows ``mark_sent`` sent (a relay's last batch).
+
+        Example: ``rows = store.outbox_claim("relay-1", 500, 30.0, mark_sent=[r.id for r in sent])``
+        """
         ...
 
     def outbox_mark_sent(self, ids: Sequence[int]) -> None:

@@ -127,11 +127,31 @@ class SqlStore(ABC):
 
     # ---- outbox relay -------------------------------------------------------------
 
-    def outbox_claim(self, relay_id: str, limit: int, lease_seconds: float) -> list[OutboxRow]:
-        if limit <= 0:
+    def outbox_claim(
+        self,
+        relay_id: str,
+        limit: int,
+        lease_seconds: float,
+        *,
+        mark_sent: Sequence[int] = (),
+    ) -> list[OutboxRow]:
+        if limit <= 0 and not mark_sent:
             return []
         now = self._clock()
-        until = now + timedelta(seconds=lease_seconds)
+        with self._short() as run:
+            # One commit for both: a relay marks a batch sent as it claims the next.
+            self._mark_sent(run, mark_sent, now)
+            return self._claim(run, relay_id, limit, now + timedelta(seconds=lease_seconds), now)
+
+    def outbox_mark_sent(self, ids: Sequence[int]) -> None:
+        with self._short() as run:
+            self._mark_sent(run, ids, self._clock())
+
+    def _claim(
+        self, run: Runner, relay_id: str, limit: int, until: datetime, now: datetime
+    ) -> list[OutboxRow]:
+        if limit <= 0:
+            return []
         # One index range per kind of due row (the state index is ordered by id), so a
         # claim reads about ``limit`` rows instead of sorting every due row.
         lock = self._dialect.skip_locked
@@ -150,8 +170,7 @@ class SqlStore(ABC):
             f" RETURNING {_OUTBOX_COLUMNS}"
         )
         n = self._ts(now)
-        with self._short() as run:
-            rows = run.rows(sql, (relay_id, self._ts(until), n, limit, n, limit, n, limit, limit))
+        rows = run.rows(sql, (relay_id, self._ts(until), n, limit, n, limit, n, limit, limit))
         d = self._dialect
         claimed = [
             OutboxRow(
@@ -163,16 +182,15 @@ class SqlStore(ABC):
         ]  # fmt: skip
         return sorted(claimed, key=lambda row: row.id)
 
-    def outbox_mark_sent(self, ids: Sequence[int]) -> None:
-        now = self._ts(self._clock())
-        with self._short() as run:
-            for start in range(0, len(ids), 500):
-                chunk = list(ids[start : start + 500])
-                run.count(
-                    "UPDATE meshforge_outbox SET state = 'sent', sent_at = ?, updated_at = ?,"
-                    f" lease_owner = NULL, lease_until = NULL WHERE id IN {in_clause(len(chunk))}",
-                    (now, now, *chunk),
-                )
+    def _mark_sent(self, run: Runner, ids: Sequence[int], now: datetime) -> None:
+        n = self._ts(now)
+        for start in range(0, len(ids), 500):
+            chunk = list(ids[start : start + 500])
+            run.count(
+                "UPDATE meshforge_outbox SET state = 'sent', sent_at = ?, updated_at = ?,"
+                f" lease_owner = NULL, lease_until = NULL WHERE id IN {in_clause(len(chunk))}",
+                (n, n, *chunk),
+            )
 
     def outbox_mark_failed(
         self, id: int, error: str, retry_at: datetime, *, give_up: bool = False

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 from meshforge.errors import StoreError
 from meshforge.scope import DEFAULT_SCOPE, Scope
-from meshforge.store.base import InboxRecord, InboxStatus, NewEvent, StoredOutput
+from meshforge.store.base import InboxRecord, InboxStatus, NewEvent, OutboxMessage, StoredOutput
 from meshforge.store.batch import BatchMethods
 from meshforge.store.sql import (
     Dialect,
@@ -266,6 +266,17 @@ class SqlTransaction(BatchMethods):
             (msg_id, subject, bytes(data), dump_headers(headers), self._now, self._now),
         )
         return int(rows[0][0])
+
+    @spoils
+    def outbox_add_many(self, messages: Sequence[OutboxMessage]) -> list[int]:
+        ids = self._run.each(
+            "INSERT INTO meshforge_outbox (msg_id, subject, data, headers, state, attempts,"
+            " created_at, updated_at) VALUES {rows} RETURNING id",
+            [(m.msg_id, m.subject, bytes(m.data), dump_headers(m.headers), "pending", 0,
+              self._now, self._now) for m in messages],
+        )  # fmt: skip
+        # Ids rise in the order of the VALUES list; RETURNING's own order is not promised.
+        return sorted(int(row[0]) for row in ids)
 
     @spoils
     def node_epoch_bump(self, site: str, node: str) -> int:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from meshforge.errors import StoreError
-from meshforge.store import NewEvent, Store, StoredOutput
+from meshforge.store import NewEvent, OutboxMessage, Store, StoredOutput
 
 if TYPE_CHECKING:
     from conftest import ManualClock
@@ -162,3 +162,34 @@ def test_retention_cleanup_keeps_recent_and_in_flight(store: Store, clock: Manua
     assert store.effects_cleanup(cutoff) == 2
     assert [e.key for e in store.effects_read()] == ["new"]
     assert len(list(store.events_read("a"))) == 3
+
+
+def test_claim_marks_the_last_batch_sent_in_the_same_transaction(store: Store) -> None:
+    ids = add(store, 6)
+    first = store.outbox_claim("relay", 3, lease_seconds=30)
+    second = store.outbox_claim("relay", 3, lease_seconds=30, mark_sent=[r.id for r in first])
+    assert [r.id for r in second] == ids[3:]
+    assert store.outbox_depth() == 3  # the first three are sent
+    # Nothing left to claim (or no room): the marks are still stored.
+    assert store.outbox_claim("relay", 0, lease_seconds=30, mark_sent=[ids[3]]) == []
+    assert store.outbox_claim("relay", 10, lease_seconds=30, mark_sent=ids[4:]) == []
+    assert store.outbox_depth() == 0
+
+
+def test_outbox_add_many_returns_ids_in_order_and_rolls_back(store: Store) -> None:
+    messages = [
+        OutboxMessage(f"m{i}", "evt.default.demo.order.created", f"p{i}".encode(), {"n": str(i)})
+        for i in range(250)
+    ]
+    with store.transaction() as tx:
+        ids = tx.outbox_add_many(messages)
+        assert tx.outbox_add_many([]) == []
+    assert ids == sorted(ids) and len(set(ids)) == 250
+    claimed = store.outbox_claim("relay", 500, lease_seconds=30)
+    assert [(r.id, r.msg_id, r.data, r.headers) for r in claimed] == [
+        (i, m.msg_id, m.data, m.headers) for i, m in zip(ids, messages, strict=True)
+    ]
+    with pytest.raises(RuntimeError), store.transaction() as tx:
+        tx.outbox_add_many(messages[:3])
+        raise RuntimeError("the caller's work failed")
+    assert store.outbox_depth() == 250  # the three rolled back with it
