@@ -7,8 +7,8 @@ its own fresh stream and waits for every PubAck, with the same number of PubAcks
 - nats-py ``publish_async`` (its own pipelining, ``publish_async_max_pending=256``),
   then ``publish_async_completed()``: the baseline;
 - MeshForge ``Publisher.publish_many`` (retries, results, metrics);
-- the outbox: 100 rows enqueued per SQLite transaction while an ``OutboxRelay`` publishes
-  them, until every row is sent;
+- the outbox: 100 rows enqueued per SQLite transaction (``enqueue_many``: one INSERT)
+  while an ``OutboxRelay`` publishes them, until every row is sent;
 - the outbox relay alone, on N rows enqueued beforehand.
 
 Floors (S0): ``publish_many`` >= 0.9x the baseline; the outbox relay >= 0.5x.
@@ -37,7 +37,7 @@ from rich.table import Table
 
 from meshforge.envelope import Envelope, Outbound
 from meshforge.observability import Metrics
-from meshforge.outbox import OutboxRelay, enqueue
+from meshforge.outbox import OutboxRelay, enqueue_many
 from meshforge.publisher import Publisher
 from meshforge.server import EmbeddedServer
 from meshforge.store import open_store
@@ -62,8 +62,7 @@ def envelopes(n: int, prefix: str) -> list[Envelope]:
 def fill_outbox(store: Store, subject: str, envs: list[Envelope]) -> None:
     for start in range(0, len(envs), ROWS_PER_TX):
         with store.transaction() as tx:
-            for env in envs[start : start + ROWS_PER_TX]:
-                enqueue(tx, subject, env)
+            enqueue_many(tx, [(subject, env) for env in envs[start : start + ROWS_PER_TX]])
 
 
 async def relay_all(relay: OutboxRelay, n: int, fill: Callable[[int], Awaitable[None]] | None) -> None:
