@@ -8,6 +8,10 @@ its handler over the resource's evolving state. Then the new states, events and 
 of the whole batch are committed together, the outputs are published pipelined, and
 the decisions go back to the consumer, which acks. A crash anywhere before the ack
 ends in a redelivery that finds the key and re-publishes, so no effect is lost or doubled.
+A transaction that fails for a reason of its own (not a retriable store error) is split
+in halves and run again, so one bad command costs only itself: a value the store can
+never hold (NUL in PostgreSQL text, a number out of range) is dead-lettered
+``unrecoverable``, anything else is retried on its own.
 
 Example::
 
@@ -26,7 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from meshforge.config import Settings
-from meshforge.decisions import Action, Decision, Delivery, backoff_delay, decide
+from meshforge.decisions import (
+    REASON_UNRECOVERABLE,
+    Action,
+    Decision,
+    Delivery,
+    backoff_delay,
+    decide,
+)
 from meshforge.envelope import Envelope, Outbound
 from meshforge.errors import InvalidSubject, PublishError, StoreError, Unrecoverable, one_line
 from meshforge.faults import crash_point
@@ -176,18 +187,64 @@ class Engine(Generic[S]):
         return tokens[4]
 
     async def _attempt(self, works: list[_Work]) -> _Plan:
+        """Run the works in one transaction; if it fails for a reason of its own, split them."""
+        try:
+            return await self._retrying(works)
+        except StoreError as exc:
+            return await self._split(works, exc)
+
+    async def _retrying(self, works: list[_Work]) -> _Plan:
+        """One transaction, run again on conflicts and retriable errors; raises the others."""
         for attempt in range(1, _BATCH_ATTEMPTS + 1):
             try:
                 return await self._run(works)
             except _Conflict:
                 log.info("%s: another worker stored an effect of this batch; running it again", self.consumer)
             except StoreError as exc:
-                if not exc.retriable or attempt == _BATCH_ATTEMPTS:
+                if not exc.retriable:
+                    raise
+                if attempt == _BATCH_ATTEMPTS:
                     log.warning("%s: store failed, batch will be redelivered: %s", self.consumer, exc)
                     return self._nak_all(works)
-            for work in works:
-                work.outputs, work.events, work.fresh = [], [], False
+            self._reset(works)
         return self._nak_all(works)
+
+    async def _split(self, works: list[_Work], exc: StoreError) -> _Plan:
+        """Bisect a batch whose transaction failed: the innocent halves commit, the culprit
+        alone is dead-lettered (data no store can take) or retried."""
+        self._reset(works)
+        if len(works) == 1:
+            return _Plan(decisions={works[0].index: self._store_failure(works[0], exc)})
+        log.info("%s: transaction of %d commands failed (%s); splitting it",
+                 self.consumer, len(works), one_line(exc))  # fmt: skip
+        mid = len(works) // 2
+        plan = await self._attempt(works[:mid])
+        # A resource whose earlier command waits must not run its later ones first.
+        held = {w.resource: d.delay for w in works[:mid]
+                if (d := plan.decisions.get(w.index)) is not None and d.action is Action.NAK}  # fmt: skip
+        rest: list[_Work] = []
+        for work in works[mid:]:
+            if work.resource in held:
+                plan.decisions[work.index] = Decision.nak(held[work.resource])
+            else:
+                rest.append(work)
+        if rest:
+            second = await self._attempt(rest)
+            plan.decisions.update(second.decisions)
+            plan.done += second.done
+            plan.duplicates += second.duplicates
+        return plan
+
+    def _store_failure(self, work: _Work, exc: StoreError) -> Decision:
+        if exc.kind == "invalid":
+            # Deterministic for this message: every retry would fail the same way.
+            return Decision.dead_letter(REASON_UNRECOVERABLE, exc)
+        return self._failure(work.delivery, exc)
+
+    @staticmethod
+    def _reset(works: list[_Work]) -> None:
+        for work in works:
+            work.outputs, work.events, work.fresh = [], [], False
 
     def _nak_all(self, works: list[_Work]) -> _Plan:
         # Not the handler's fault: come back soon, without burning the backoff schedule.
