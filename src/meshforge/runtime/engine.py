@@ -1,13 +1,18 @@
 """The effect loop: each command gets exactly one effect however often it is delivered.
 
-``Engine.handle`` is a consumer batch handler. For one batch of deliveries it opens ONE
-store transaction, locks the resources involved (in sorted order, so workers sharing
-the consumer cannot deadlock), and for each delivery in stream order: a key already
-processed has its stored outputs published again (same ids) and is acked; a new one runs
-its handler over the resource's evolving state. Then the new states, events and outputs
-of the whole batch are committed together, the outputs are published pipelined, and
-the decisions go back to the consumer, which acks. A crash anywhere before the ack
-ends in a redelivery that finds the key and re-publishes, so no effect is lost or doubled.
+``Engine.handle`` is a consumer batch handler. The batches handed to it wait for the
+commit stage, which takes all of them that are waiting (up to ``max_batch`` commands: a
+light load gives small groups, a backlog full ones) into ONE store transaction. It locks
+the resources involved (in sorted order, so workers sharing the consumer cannot
+deadlock), and for each delivery in stream order: a key already processed has its stored
+outputs published again (same ids); a new one runs its handler over the resource's
+evolving state. The group's states, events and outputs commit together; the keys whose
+outputs the previous groups published are marked in the same transaction. The outputs
+then go to the publish stage (``meshforge.runtime.stage``), which sends groups in commit
+order while the next group already commits; each ``handle`` call returns its decisions
+once its outputs are out, and the consumer acks. A crash anywhere before the ack ends in
+a redelivery that finds the key and re-publishes, so no effect is lost or doubled.
+
 A transaction that fails for a reason of its own (not a retriable store error) is split
 in halves and run again, so one bad command costs only itself: a value the store can
 never hold (NUL in PostgreSQL text, a number out of range) is dead-lettered
@@ -22,10 +27,11 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -39,12 +45,13 @@ from meshforge.decisions import (
     decide,
 )
 from meshforge.envelope import Envelope, Outbound
-from meshforge.errors import InvalidSubject, PublishError, StoreError, Unrecoverable, one_line
+from meshforge.errors import InvalidSubject, StoreError, Unrecoverable, one_line
 from meshforge.faults import crash_point
 from meshforge.observability import Metrics
 from meshforge.publisher import Publisher
 from meshforge.runtime.agent import Agent, CommandSpec, Event, Output
 from meshforge.runtime.outputs import build_outputs, decode_payload, event_name
+from meshforge.runtime.stage import PublishStage
 from meshforge.store.base import NewEvent, Store, StoredOutput, Transaction
 
 __all__ = ["Engine", "consumer_name"]
@@ -60,6 +67,7 @@ _UNRECOVERABLE: tuple[type[BaseException], ...] = (
 # A batch whose effect key another worker committed meanwhile is simply run again.
 _BATCH_ATTEMPTS = 4
 _STORE_RETRY_DELAY = 0.5
+_MARK_IDLE = 1.0  # seconds without a commit before published marks get their own
 
 
 def consumer_name(agent: str) -> str:
@@ -69,16 +77,31 @@ def consumer_name(agent: str) -> str:
 
 @dataclass(slots=True)
 class _Work:
-    """One delivery of the batch on its way through the loop."""
+    """One delivery on its way through the loop."""
 
-    index: int
+    index: int  # its place in the group being committed
     delivery: Delivery
     env: Envelope
     spec: CommandSpec
     resource: str
+    slot: int = 0  # its place among its handle() call's deliveries
+    owner: list[Decision | None] = field(default_factory=list)  # that call's decisions
     outputs: list[StoredOutput] = field(default_factory=list)
     events: list[NewEvent] = field(default_factory=list)
     fresh: bool = False  # ran its handler in this batch (not a stored effect)
+
+    def decide(self, decision: Decision) -> None:
+        self.owner[self.slot] = decision
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The deliveries of one ``handle`` call: their decisions, and when they are settled."""
+
+    decisions: list[Decision | None]
+    works: list[_Work]
+    done: asyncio.Future[None]
+    taken: bool = False  # committed in some call's group (maybe another call's)
 
 
 @dataclass(slots=True)
@@ -115,14 +138,25 @@ class Engine(Generic[S]):
         self.metrics = metrics or Metrics.default()
         self.consumer = consumer_name(agent.name)
         self.handler_timeout = handler_timeout or min(self.settings.ack_wait / 2, 30.0)
+        #: Most commands one transaction takes from the batches waiting for it.
+        self.max_batch = self.settings.batch_size
         self._commands = agent.commands()
         # The batch's transaction lives in this one thread from BEGIN to COMMIT.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"meshforge-{agent.name}-store")
-        # One batch at a time, commit to publish: same-resource outputs leave in order.
-        self._serial = asyncio.Lock()
+        # One transaction at a time; the publish stage keeps their order on the wire.
+        self._commit = asyncio.Lock()
+        self._queue: deque[_Batch] = deque()
+        self._stage = PublishStage(self.consumer, publisher)
+        self._marks: list[str] = []  # keys whose outputs went out, noted in the next commit
+        self._commits = 0
+        self._flusher: asyncio.Task[None] | None = None
+        self._closed = False
 
     def close(self) -> None:
         """Release the store thread (the store itself belongs to the caller)."""
+        self._closed = True
+        if self._flusher is not None:
+            self._flusher.cancel()
         self._thread.shutdown(wait=True)
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -132,31 +166,68 @@ class Engine(Generic[S]):
 
     async def handle(self, deliveries: Sequence[Delivery]) -> list[Decision]:
         """One decision per delivery, same order; see the module docstring."""
-        async with self._serial:
-            return await self._handle(deliveries)
-
-    async def _handle(self, deliveries: Sequence[Delivery]) -> list[Decision]:
-        decisions: list[Decision | None] = [None] * len(deliveries)
-        works: list[_Work] = []
+        batch = _Batch([None] * len(deliveries), [], asyncio.get_running_loop().create_future())
         for i, delivery in enumerate(deliveries):
             verdict = self._admit(i, delivery)
             if isinstance(verdict, _Work):
-                works.append(verdict)
+                verdict.owner = batch.decisions
+                batch.works.append(verdict)
             else:
-                decisions[i] = verdict
+                batch.decisions[i] = verdict
+        if batch.works:
+            self._queue.append(batch)
+            crash_point("after_enqueue")
+            async with self._commit:
+                if not batch.taken:  # else an earlier call committed it in its group
+                    await self._commit_group()
+            # Shielded: the publish stage settles every batch of a group, whoever waits.
+            await asyncio.shield(batch.done)
+        return [d if d is not None else Decision.ack() for d in batch.decisions]
+
+    async def _commit_group(self) -> None:
+        """Commit the batches waiting (up to ``max_batch`` commands) in one transaction and
+        hand their outputs to the publish stage: the next group commits while they go out."""
+        group: list[_Batch] = []
+        works: list[_Work] = []
+        while self._queue and (not works or len(works) + len(self._queue[0].works) <= self.max_batch):
+            batch = self._queue.popleft()
+            batch.taken = True
+            group.append(batch)
+            works += batch.works
         # Same-resource commands run in the order they were stored.
         works.sort(key=lambda w: w.delivery.seq)
-        plan = await self._attempt(works) if works else _Plan()
+        for index, work in enumerate(works):
+            work.index = index
+        overlapping = self._stage.busy
+        try:
+            plan = await self._attempt(works)
+        except BaseException as exc:
+            for batch in group:
+                if not batch.done.done():
+                    batch.done.set_exception(exc)
+            raise
+        if overlapping:
+            crash_point("after_commit_while_publishing")
         for index, decision in plan.decisions.items():
-            decisions[index] = decision
-        if plan.done:
-            failed = await self._publish(plan.done)
-            for work in failed:
-                decisions[work.index] = Decision.nak(self._delay(work.delivery))
+            works[index].decide(decision)
         if plan.duplicates:
             self.metrics.duplicates_skipped.labels(consumer=self.consumer).inc(plan.duplicates)
-        crash_point("after_publish")
-        return [d if d is not None else Decision.ack() for d in decisions]
+        done = plan.done
+        items = [
+            Outbound(subject=o.subject, data=o.data, headers=o.headers, msg_id=o.msg_id)
+            for w in done
+            for o in w.outputs
+        ]
+
+        def sent() -> None:
+            self._marks += [w.env.key for w in done if w.fresh]
+            self._schedule_flush()
+
+        def failed() -> None:
+            for work in done:
+                work.decide(Decision.nak(self._delay(work.delivery)))
+
+        self._stage.submit(items, on_sent=sent, on_failed=failed, settle=[b.done for b in group])
 
     def _admit(self, index: int, delivery: Delivery) -> _Work | Decision:
         env = delivery.envelope
@@ -174,7 +245,7 @@ class Engine(Generic[S]):
             resource = self.agent.resource_key(env, spec)
         except Exception as exc:
             return self._failure(delivery, exc)
-        return _Work(index, delivery, env, spec, resource)
+        return _Work(index, delivery, env, spec, resource, slot=index)
 
     def _command_of(self, env: Envelope, subject: str) -> str | None:
         prefix = self.agent.name + "."
@@ -251,34 +322,43 @@ class Engine(Generic[S]):
         return _Plan(decisions={w.index: Decision.nak(_STORE_RETRY_DELAY) for w in works})
 
     async def _run(self, works: list[_Work]) -> _Plan:
-        cm = await self._in_thread(self.store.transaction)
-        tx: Transaction = await self._in_thread(cm.__enter__)
-        exc_info: tuple[Any, Any, Any] = (None, None, None)
+        """One transaction in two trips to the store thread: open and read, then (after the
+        handlers ran here) write and commit. Few trips: each one waits for a thread switch."""
+        # Published keys ride along in this transaction: no transaction of their own.
+        marks, self._marks = self._marks, []
         try:
-            plan = await self._process(tx, works)
-            crash_point("after_handler")
-            await self._in_thread(self._store_effects, tx, plan)
+            cm, tx, raw, stored = await self._in_thread(self._open, works)
+            try:
+                plan = await self._process(works, raw, stored)
+                crash_point("after_handler")
+            except BaseException as exc:
+                await self._in_thread(self._abort, cm, exc)
+                raise
+            await self._in_thread(self._finish, cm, tx, plan, marks)
         except BaseException as exc:
-            exc_info = (type(exc), exc, exc.__traceback__)
+            self._keep_marks(marks, exc)
             raise
         finally:
-            try:
-                await self._in_thread(cm.__exit__, *exc_info)
-            except StoreError as exc:
-                if exc_info[0] is None:
-                    raise
-                log.debug("%s: rollback after an error also failed: %s", self.consumer, exc)
+            self._commits += 1
         crash_point("after_commit")
         return plan
 
-    async def _process(self, tx: Transaction, works: list[_Work]) -> _Plan:
+    def _keep_marks(self, marks: list[str], exc: BaseException) -> None:
+        # Only an audit aid: kept for the next try unless they may be what failed.
+        if isinstance(exc, _Conflict) or (isinstance(exc, StoreError) and exc.retriable):
+            self._marks = marks + self._marks
+        elif marks:
+            log.debug("%s: %d published marks dropped with a failed transaction", self.consumer, len(marks))
+
+    async def _process(
+        self,
+        works: list[_Work],
+        raw: dict[str, bytes | None],
+        stored: dict[str, list[StoredOutput] | None],
+    ) -> _Plan:
         agent = self.agent
         plan = _Plan()
-        raw = await self._in_thread(self._load, tx, works)
         plan.states = states = {r: self._decode(data) for r, data in raw.items()}
-        stored: dict[str, list[StoredOutput] | None] = await self._in_thread(
-            self._effects, tx, works
-        )
         blocked: dict[str, float | None] = {}  # resource -> delay of its transient failure
         for work in works:
             d = work.delivery
@@ -328,6 +408,37 @@ class Engine(Generic[S]):
 
     # ------------------------------------------------------------------ store work (thread)
 
+    def _open(
+        self, works: list[_Work]
+    ) -> tuple[AbstractContextManager[Transaction], Transaction, dict[str, bytes | None],
+               dict[str, list[StoredOutput] | None]]:  # fmt: skip
+        """BEGIN, lock and read the resources, read the stored effects."""
+        cm = self.store.transaction()
+        tx = cm.__enter__()
+        try:
+            return cm, tx, self._load(tx, works), self._effects(tx, works)
+        except BaseException as exc:
+            self._abort(cm, exc)
+            raise
+
+    def _finish(
+        self, cm: AbstractContextManager[Transaction], tx: Transaction, plan: _Plan, marks: list[str]
+    ) -> None:
+        """Write the group's effects and COMMIT (or roll back and raise)."""
+        try:
+            self._store_effects(tx, plan, marks)
+        except BaseException as exc:
+            self._abort(cm, exc)
+            raise
+        cm.__exit__(None, None, None)
+
+    def _abort(self, cm: AbstractContextManager[Transaction], exc: BaseException) -> None:
+        try:
+            cm.__exit__(type(exc), exc, exc.__traceback__)
+        except StoreError as err:
+            if err is not exc:
+                log.debug("%s: rollback after an error also failed: %s", self.consumer, err)
+
     def _load(self, tx: Transaction, works: list[_Work]) -> dict[str, bytes | None]:
         # Sorted: two workers locking the same resources take them in the same order.
         return {r: tx.state_get(self.agent.name, r) for r in sorted({w.resource for w in works})}
@@ -335,7 +446,7 @@ class Engine(Generic[S]):
     def _effects(self, tx: Transaction, works: list[_Work]) -> dict[str, list[StoredOutput] | None]:
         return {key: tx.effect_get(self.consumer, key) for key in {w.env.key for w in works}}
 
-    def _store_effects(self, tx: Transaction, plan: _Plan) -> None:
+    def _store_effects(self, tx: Transaction, plan: _Plan, marks: list[str]) -> None:
         fresh = [w for w in plan.done if w.fresh]
         events = [e for w in fresh for e in w.events]
         positions = tx.events_append(self.agent.name, events) if events else []
@@ -352,34 +463,36 @@ class Engine(Generic[S]):
                 if exc.kind == "duplicate":
                     raise _Conflict() from exc
                 raise
+        for key in marks:
+            tx.effect_mark_published(self.consumer, key)
 
-    # ------------------------------------------------------------------ publishing
+    # ------------------------------------------------------------------ published marks
 
-    async def _publish(self, done: list[_Work]) -> list[_Work]:
-        """Publish every output of the batch; returns the works whose outputs did not all go."""
-        items = [
-            Outbound(subject=o.subject, data=o.data, headers=o.headers, msg_id=o.msg_id)
-            for w in done
-            for o in w.outputs
-        ]
-        if not items:
-            return []
-        half = max(1, len(items) // 2)
+    def _schedule_flush(self) -> None:
+        if self._flusher is None and not self._closed:
+            self._flusher = asyncio.ensure_future(self._flush_when_idle(self._commits))
+
+    async def _flush_when_idle(self, commits: int) -> None:
+        """Note published keys in a transaction of their own only when no batch came to
+        carry them for a while."""
         try:
-            await self.publisher.publish_many(items[:half])
-            crash_point("after_partial_publish")
-            if items[half:]:
-                await self.publisher.publish_many(items[half:])
-        except PublishError as exc:
-            log.warning("%s: publishing outputs failed, batch will be redelivered: %s", self.consumer, exc)
-            return done
-        with contextlib.suppress(StoreError):
-            await self._in_thread(self._mark_published, [w.env.key for w in done if w.fresh])
-        return []
+            while True:
+                await asyncio.sleep(_MARK_IDLE)
+                if self._commits == commits or not self._marks:
+                    break
+                commits = self._commits
+            async with self._commit:
+                marks, self._marks = self._marks, []
+                if marks and not self._closed:
+                    await self._in_thread(self._mark_published, marks)
+        except (StoreError, RuntimeError) as exc:  # audit aid only; RuntimeError: closed
+            log.debug("%s: published marks not stored: %s", self.consumer, exc)
+        finally:
+            self._flusher = None
+            if self._marks:
+                self._schedule_flush()
 
     def _mark_published(self, keys: list[str]) -> None:
-        if not keys:
-            return
         with self.store.transaction() as tx:
             for key in keys:
                 tx.effect_mark_published(self.consumer, key)
