@@ -24,10 +24,12 @@ from nats.js import JetStreamContext
 
 from meshforge.config import Settings, load_settings
 from meshforge.errors import ConfigError, ConnectionFailed, one_line
+from meshforge.headers import install as _install_header_parser
 
 __all__ = ["DEFAULT_URL", "Connection", "connect", "redact_url", "tls_context"]
 
 log = logging.getLogger("meshforge.connection")
+_install_header_parser()  # every received message is parsed by it
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 State = Literal["connecting", "connected", "reconnecting", "closed"]
