@@ -35,7 +35,7 @@ integration: $(STAMP)
 	$(BIN)/python -m pytest -q tests/integration
 
 chaos: $(STAMP)
-	CHAOS_SCALE=10 $(BIN)/python -m pytest -q tests/chaos --timeout 3600
+	CHAOS_SCALE=10 MESHFORGE_FUZZ_EXAMPLES=200 $(BIN)/python -m pytest -q tests/chaos tests/integration/test_fuzz_hostile.py --timeout 3600
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

@@ -19,13 +19,15 @@ from nats.js import JetStreamContext
 
 from meshforge.server import EmbeddedServer
 
+# The packaged fixtures (meshforge_server, agent_harness, ...); the session server is theirs.
+pytest_plugins = ["meshforge.testing.plugin"]
+
 PG_ADMIN_URL = os.environ.get("MESHFORGE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
 @pytest.fixture(scope="session")
-def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
-    with EmbeddedServer(store_dir=tmp_path_factory.mktemp("nats")) as server:
-        yield server
+def nats_server(meshforge_server: EmbeddedServer) -> EmbeddedServer:
+    return meshforge_server
 
 
 @pytest.fixture(scope="session")

@@ -43,8 +43,10 @@ if TYPE_CHECKING:
     from meshforge.outbox import OutboxRelay
     from meshforge.publisher import Publisher, PublishResult
     from meshforge.runtime import Agent, Engine, Event, Send, command, replay
+    from meshforge.scope import Scope
     from meshforge.server import EmbeddedServer
     from meshforge.store import open_store
+    from meshforge.sync_publisher import SyncPublisher
     from meshforge.topology import agent_consumer, default_streams, ensure, node_consumer, verify
 
 _WHERE = {
@@ -84,7 +86,9 @@ _WHERE = {
     "command": "runtime",
     "replay": "runtime",
     "EmbeddedServer": "server",
+    "Scope": "scope",
     "open_store": "store",
+    "SyncPublisher": "sync_publisher",
     "agent_consumer": "topology",
     "default_streams": "topology",
     "ensure": "topology",
@@ -119,8 +123,10 @@ __all__ = [
     "Publisher",
     "Rejected",
     "Retry",
+    "Scope",
     "Send",
     "Settings",
+    "SyncPublisher",
     "Unrecoverable",
     "agent_consumer",
     "command",

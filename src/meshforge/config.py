@@ -30,12 +30,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from meshforge.credentials import redact_url
 from meshforge.errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "Settings", "load_settings", "parse_backoff", "parse_duration"]
+__all__ = [
+    "ENV_PREFIX",
+    "SECRET_SETTINGS",
+    "Settings",
+    "load_settings",
+    "parse_backoff",
+    "parse_duration",
+]
 
 ENV_PREFIX = "MESHFORGE_"
 DEFAULT_FILE = "meshforge.toml"
+# Never shown: not in errors, not in repr
+SECRET_SETTINGS = frozenset({"password", "token", "nkey_seed"})
+# Shown without their user info (a password may sit in the URL)
+_URL_SETTINGS = frozenset({"nats_url", "store_url"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +60,8 @@ class Settings:
     password: str | None = field(default=None, repr=False)
     token: str | None = field(default=None, repr=False)
     creds_file: str | None = None
+    nkey_seed: str | None = field(default=None, repr=False)
+    nkey_seed_file: str | None = None
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -72,11 +86,24 @@ class Settings:
     namespace: str | None = None
     shutdown_timeout: float = 30.0
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     inbox_retention: float = 7 * 86400.0
     outbox_retention: float = 86400.0
     reply_retention: float = 30 * 86400.0
     log_level: str = "INFO"
     log_json: bool = False
+
+    def __repr__(self) -> str:
+        # URLs may carry a password; secrets are left out (see SECRET_SETTINGS)
+        shown = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in SECRET_SETTINGS:
+                continue
+            if f.name in _URL_SETTINGS and isinstance(value, str):
+                value = redact_url(value)
+            shown.append(f"{f.name}={value!r}")
+        return f"Settings({', '.join(shown)})"
 
 
 # ---------------------------------------------------------------- value parsers
@@ -228,6 +255,16 @@ def _subject_token(value: object) -> str:
     raise _Bad("1 to 64 characters of A-Z a-z 0-9 _ -")
 
 
+def _nkey_seed(value: object) -> str:
+    from meshforge.credentials import check_nkey_seed
+
+    text = _text(value)
+    try:
+        return check_nkey_seed(text)
+    except ConfigError:
+        raise _Bad("an NKey user seed (58 characters starting with SU)") from None
+
+
 _PARSERS: dict[str, Callable[[object], Any]] = {
     "nats_url": _nats_url,
     "store_url": _store_url,
@@ -235,6 +272,8 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "password": _text,
     "token": _text,
     "creds_file": _text,
+    "nkey_seed": _nkey_seed,
+    "nkey_seed_file": _text,
     "tls_ca": _text,
     "tls_cert": _text,
     "tls_key": _text,
@@ -259,6 +298,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "namespace": _subject_token,
     "shutdown_timeout": _duration(positive=False),
     "metrics_port": _int_between(0, 65535),
+    "metrics_host": _text,
     "inbox_retention": _duration(positive=False),
     "outbox_retention": _duration(positive=False),
     "reply_retention": _duration(positive=False),
@@ -288,14 +328,21 @@ def parse_backoff(value: object, label: str = "backoff") -> tuple[float, ...]:
     return tuple(_parse_with(_delays, value, label))
 
 
-def _parse_with(parser: Callable[[object], Any], value: object, label: str) -> Any:
+def _parse_with(
+    parser: Callable[[object], Any], value: object, label: str, key: str = ""
+) -> Any:
     try:
         return parser(value)
     except _Bad as bad:
-        raise _fail(label, value, bad.expected) from None
+        raise _fail(label, value, bad.expected, key) from None
 
 
-def _fail(label: str, value: object, expected: str) -> ConfigError:
+def _fail(label: str, value: object, expected: str, key: str = "") -> ConfigError:
+    if key in SECRET_SETTINGS:
+        size = len(value) if isinstance(value, str) else 0
+        return ConfigError(f"{label}: expected {expected}, got a value of {size} characters (not shown)")
+    if key in _URL_SETTINGS and isinstance(value, str):
+        value = redact_url(value)
     shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
@@ -375,7 +422,7 @@ def load_settings(
 
 
 def _parse(key: str, raw: object, label: str) -> object:
-    return _parse_with(_PARSERS[key], raw, label)
+    return _parse_with(_PARSERS[key], raw, label, key)
 
 
 def _check_together(s: Settings) -> None:
@@ -393,6 +440,12 @@ def _check_together(s: Settings) -> None:
         missing = "tls_key" if s.tls_key is None else "tls_cert"
         raise ConfigError(
             f"{missing}: expected a file path (tls_cert and tls_key go together), got None"
+        )
+    given = [n for n in ("creds_file", "nkey_seed", "nkey_seed_file") if getattr(s, n) is not None]
+    if len(given) > 1:
+        raise ConfigError(
+            f"{given[1]}: expected only one of creds_file, nkey_seed, nkey_seed_file, "
+            f"got {given[0]} as well"
         )
     if s.password is not None and s.user is None:
         raise ConfigError("user: expected a user name when password is set, got None")

@@ -9,72 +9,38 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
-import random
 import ssl
 from types import TracebackType
 from typing import Any, Literal, Self
-from urllib.parse import urlsplit, urlunsplit
 
+import nats.errors
 from nats.aio.client import Client as NATS
-from nats.errors import AuthorizationError, NoServersError
 from nats.js import JetStreamContext
 
 from meshforge.config import Settings, load_settings
-from meshforge.errors import ConfigError, ConnectionFailed, one_line
-from meshforge.headers import install as _install_header_parser
+from meshforge.connect_retry import attempt_connect, close_bounded, retry_connect
+from meshforge.credentials import NatsAuth, nats_auth_options, redact_url, ssl_context
+from meshforge.errors import one_line
+from meshforge.headers import parse_header_lines
 
-__all__ = ["DEFAULT_URL", "Connection", "connect", "redact_url", "tls_context"]
+__all__ = [
+    "DEFAULT_URL",
+    "Connection",
+    "close_bounded",
+    "connect",
+    "redact_url",
+    "ssl_context",
+    "tls_context",
+]
 
 log = logging.getLogger("meshforge.connection")
-_install_header_parser()  # every received message is parsed by it
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 State = Literal["connecting", "connected", "reconnecting", "closed"]
 
-# First-connect backoff: base doubles per attempt up to the cap, then full jitter.
-_BACKOFF_BASE = 0.2
-_BACKOFF_CAP = 5.0
 _RECONNECT_WAIT = 1.0
-_FIRST_TRY_WAIT = 0.05
 _HEALTH_TIMEOUT = 2.0
-
-
-def redact_url(url: str) -> str:
-    """The URL without user name, password or token, fit for logs.
-
-    >>> redact_url("nats://alice:secret@host:4222")
-    'nats://***@host:4222'
-    """
-    parts = []
-    for one in url.split(","):
-        split = urlsplit(one.strip())
-        if split.username is not None or split.password is not None:
-            host = split.hostname or ""
-            netloc = f"***@{host}" + (f":{split.port}" if split.port else "")
-            one = urlunsplit(split._replace(netloc=netloc))
-        parts.append(one.strip())
-    return ",".join(parts)
-
-
-def ssl_context(
-    ca: str | None, cert: str | None, key: str | None, *, label: str = "tls"
-) -> ssl.SSLContext | None:
-    """A client SSL context trusting ``ca`` and presenting ``cert`` + ``key``; None when neither is set."""
-    if not (ca or cert):
-        return None
-    for name, path in (("tls_ca", ca), ("tls_cert", cert), ("tls_key", key)):
-        if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"{name}: expected a readable file, got {path!r}")
-    try:
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
-        if cert:
-            context.load_cert_chain(cert, key)
-    except (ssl.SSLError, OSError) as exc:
-        raise ConfigError(f"{label}: cannot load certificates: {one_line(exc, 300)}") from None
-    return context
 
 
 def tls_context(settings: Settings) -> ssl.SSLContext | None:
@@ -82,34 +48,63 @@ def tls_context(settings: Settings) -> ssl.SSLContext | None:
     return ssl_context(settings.tls_ca, settings.tls_cert, settings.tls_key)
 
 
+def settings_auth(settings: Settings) -> NatsAuth:
+    """The auth and TLS part of ``settings``."""
+    return NatsAuth(
+        user=settings.user,
+        password=settings.password,
+        token=settings.token,
+        creds_file=settings.creds_file,
+        nkey_seed=settings.nkey_seed,
+        nkey_seed_file=settings.nkey_seed_file,
+        tls_ca=settings.tls_ca,
+        tls_cert=settings.tls_cert,
+        tls_key=settings.tls_key,
+    )
+
+
 def _auth_options(settings: Settings) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    if settings.user is not None:
-        options["user"] = settings.user
-        options["password"] = settings.password or ""
-    if settings.token is not None:
-        options["token"] = settings.token
-    if settings.creds_file is not None:
-        if not os.path.isfile(settings.creds_file):
-            raise ConfigError(f"creds_file: expected a readable file, got {settings.creds_file!r}")
-        options["user_credentials"] = settings.creds_file
-    tls = tls_context(settings)
-    if tls is not None:
-        options["tls"] = tls
-    return options
+    return nats_auth_options(settings_auth(settings))
+
+
+class _Client(NATS):
+    """nats-py closes the client for good on any server ``-ERR`` but a stale connection or
+    a permissions error. The server drops the socket after most of them (e.g. "Maximum
+    Payload Violation"), and a worker wants its connection back: reconnect instead. A
+    refused login, and any error while first connecting, still close as before.
+    Headers are parsed by ``meshforge.headers`` (same result, a fraction of the cost)."""
+
+    _parse_header_lines = staticmethod(parse_header_lines)
+
+    async def _process_err(self, err_msg: str) -> None:
+        text = err_msg.strip().strip("'")
+        lowered = text.lower()
+        if (
+            self.is_connecting
+            or not self.options.get("allow_reconnect")
+            or "authorization violation" in lowered
+            or "permissions violation" in lowered
+            or "stale connection" in lowered
+        ):
+            await super()._process_err(err_msg)
+            return
+        err = nats.errors.Error(f"nats: {text}")
+        if self._error_cb is not None:
+            await self._error_cb(err)
+        await self._process_op_err(err)
 
 
 class Connection:
     """A NATS connection with its JetStream context and a state the callbacks keep.
 
-    ``state`` is ``connected``, ``reconnecting`` (lost; nats-py retries forever) or
-    ``closed``. Use ``connect()`` to build one.
+    ``state`` is ``connected``, ``reconnecting`` (lost; nats-py retries forever, also after
+    a server ``-ERR`` that drops the connection) or ``closed``. Use ``connect()`` to build one.
     """
 
     def __init__(self, url: str, name: str) -> None:
         self.url = url
         self.name = name
-        self.nc = NATS()
+        self.nc: NATS = _Client()
         self.state: State = "connecting"
         self.reconnects = 0
         self.last_error: str | None = None
@@ -199,10 +194,10 @@ class Connection:
             if self.nc.is_connected:
                 await self.nc.drain()
             else:
-                await self.nc.close()
+                await close_bounded(self.nc)
         except Exception as exc:  # closing must not fail the caller's shutdown
             log.warning("closing NATS connection: %s", one_line(exc, 300))
-            await self.nc.close()
+            await close_bounded(self.nc)
         self.state = "closed"
 
     async def __aenter__(self) -> Self:
@@ -217,15 +212,13 @@ class Connection:
         await self.close()
 
     async def _attempt(self, settings: Settings, options: dict[str, Any]) -> None:
-        await self.nc.connect(
-            servers=[u.strip() for u in self.url.split(",")],
-            name=self.name,
-            connect_timeout=settings.connect_timeout,  # type: ignore[arg-type]  # float works
-            # Few quick tries per attempt: our loop owns first-connect retries and backoff.
-            allow_reconnect=False,
-            max_reconnect_attempts=1,
-            reconnect_time_wait=_FIRST_TRY_WAIT,  # type: ignore[arg-type]  # float works
+        await attempt_connect(
+            self.nc,
+            [u.strip() for u in self.url.split(",")],
+            connect_timeout=settings.connect_timeout,
             error_cb=self._on_error,
+            secrets=settings_auth(settings).secrets,
+            name=self.name,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
             closed_cb=self._on_closed,
@@ -238,10 +231,6 @@ class Connection:
         self.state = "connected"
 
 
-def _delay(attempt: int) -> float:
-    return random.uniform(0, min(_BACKOFF_CAP, _BACKOFF_BASE * 2**attempt))  # full jitter
-
-
 async def connect(
     settings: Settings | None = None, *, url: str | None = None, name: str = "meshforge"
 ) -> Connection:
@@ -249,8 +238,10 @@ async def connect(
 
     The URL is ``url``, else ``settings.nats_url``, else ``nats://127.0.0.1:4222``; several
     servers may be given separated by commas. Once connected, the client reconnects
-    forever. Raises ``ConnectionFailed`` naming the URL and the last error; a refused
-    login fails at once (retrying cannot help).
+    forever. Each retry logs one warning line; ``ConnectionFailed`` names the URL (never
+    its credentials) and the last error. A refused login or a certificate problem fails
+    at once (retrying cannot help); every attempt and close is bounded, so this returns
+    or raises within about ``connect_timeout x connect_attempts`` plus the backoff.
 
     Example::
 
@@ -260,47 +251,14 @@ async def connect(
     settings = settings if settings is not None else load_settings()
     target = url or settings.nats_url or DEFAULT_URL
     options = _auth_options(settings)
-    last: str = "no attempt was made"
-    attempts = 0
-    for attempt in range(settings.connect_attempts):
-        attempts += 1
+
+    async def once() -> Connection:
         conn = Connection(target, name)
-        try:
-            await conn._attempt(settings, options)
-        except asyncio.CancelledError:
-            await _quiet_close(conn)
-            raise
-        except Exception as exc:  # nats-py raises many kinds; each is one failed attempt
-            # "no servers available" hides the socket error the error callback saw
-            last = (
-                conn.last_error
-                if isinstance(exc, NoServersError) and conn.last_error
-                else one_line(exc, 300)
-            )
-            await _quiet_close(conn)
-            if isinstance(exc, AuthorizationError) or "authorization" in last.lower():
-                break
-            if attempt + 1 < settings.connect_attempts:
-                delay = _delay(attempt)
-                log.info(
-                    "connect to %s failed (%s); attempt %d/%d, next in %.2fs",
-                    redact_url(target),
-                    last,
-                    attempt + 1,
-                    settings.connect_attempts,
-                    delay,
-                )
-                await asyncio.sleep(delay)  # backoff between connection attempts
-            continue
-        log.info("connected to NATS %s", conn._server())
+        await conn._attempt(settings, options)
         return conn
-    raise ConnectionFailed(
-        f"cannot connect to NATS at {redact_url(target)} after {attempts} attempt(s): {last}"
+
+    conn = await retry_connect(
+        target, settings.connect_attempts, once, secrets=settings_auth(settings).secrets
     )
-
-
-async def _quiet_close(conn: Connection) -> None:
-    try:
-        await conn.nc.close()
-    except Exception:  # the attempt already failed; its cleanup must not mask why
-        log.debug("cleanup after failed connect", exc_info=True)
+    log.info("connected to NATS %s", conn._server())
+    return conn

@@ -45,7 +45,7 @@ from meshforge.decisions import (
     Handler,
     Middleware,
 )
-from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology
+from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology, TopologyError, one_line
 from meshforge.middleware import (
     chain,
     logging_middleware,
@@ -255,6 +255,11 @@ class Consumer:
         except NotFoundError:
             raise MissingTopology(
                 f"missing JetStream topology: consumer {self.stream}/{self.durable}"
+            ) from None
+        except Exception as exc:  # a denied request only times out; the -ERR says why
+            why = self._conn.last_error or one_line(exc, 300) or type(exc).__name__
+            raise TopologyError(
+                f"cannot read consumer {self.stream}/{self.durable}: {why}"
             ) from None
         if self.spec is None and self.mode == "push":
             self._deliver = (info.config.deliver_subject or "", info.config.deliver_group or "")

@@ -25,6 +25,7 @@ from meshforge.ack import Acker
 from meshforge.decisions import (
     REASON_MALFORMED,
     REASON_MAX_DELIVERIES,
+    REASON_REJECTED,
     Action,
     BatchHandler,
     Decision,
@@ -32,9 +33,10 @@ from meshforge.decisions import (
     Handler,
     decide,
 )
-from meshforge.envelope import decode
+from meshforge.envelope import H_TENANT, decode
 from meshforge.errors import MalformedMessage
 from meshforge.observability import Metrics
+from meshforge.scope import Scope, tenant_conflict
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -109,6 +111,9 @@ class Processor:
                 )
             except MalformedMessage as exc:
                 return delivery, Decision.dead_letter(REASON_MALFORMED, exc)
+        rejected = _tenant_check(delivery)
+        if rejected is not None:
+            return delivery, rejected
         limit = self.limits.max_deliver
         if limit is not None and delivery.num_delivered > limit:
             return delivery, Decision.dead_letter(
@@ -187,6 +192,27 @@ class Processor:
                 decisions = [self.decide(exc, d) for d in ready]
         self._batch_seconds.observe(time.perf_counter() - start)
         return [(d, dec or Decision.ack()) for d, dec in zip(ready, decisions, strict=True)]
+
+
+def _tenant_check(delivery: Delivery) -> Decision | None:
+    """Dead letter ``rejected`` when a command's header or body claims another tenant than
+    its subject; otherwise the envelope takes the subject's tenant (what its outputs carry)."""
+    if not delivery.subject.startswith("cmd."):
+        return None
+    scope = Scope.of_subject(delivery.subject)
+    if scope is None:
+        return None
+    env = delivery.envelope
+    conflict = tenant_conflict(
+        scope,
+        header=delivery.headers.get(H_TENANT),
+        body=env.body_tenant_id if env is not None else None,
+    )
+    if conflict is not None:
+        return Decision.dead_letter(REASON_REJECTED, conflict)
+    if env is not None:
+        env.tenant_id = scope.tenant
+    return None
 
 
 class Workers:

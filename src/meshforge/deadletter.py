@@ -3,6 +3,9 @@
 A dead letter is the original body with the original headers untouched plus the
 ``Dlq-*`` headers of CONTRACT.md. Its ``Nats-Msg-Id`` is the original's (or
 ``dlq-<stream>-<seq>``), so a dead letter written twice after a crash is stored once.
+A dead letter that would not fit the server's limits is truncated (body cut, longest
+headers dropped, ``Dlq-Truncated`` saying what was cut) and the whole original is kept
+beside it (``meshforge.originals``) until it is re-driven or purged.
 
 Example::
 
@@ -16,24 +19,23 @@ Example::
 
 from __future__ import annotations
 
-import builtins
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-import nats.errors
-import nats.js.errors
-from nats.js import JetStreamContext
-
 from meshforge.envelope import H_MSG_ID, now_ts
-from meshforge.errors import InvalidSubject, MeshForgeError, MissingTopology, PublishError, one_line
+from meshforge.errors import InvalidSubject, PublishError, one_line
+from meshforge.originals import (
+    keep_original,
+    original_copy_subject,
+)
+from meshforge.sizes import Fitted, check_fits
 from meshforge.subjects import (
-    STREAM_FAILED,
     dead_letter_subject,
     original_of_dead_letter,
-    validate_subject,
 )
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ __all__ = [
     "H_DLQ_STREAM",
     "H_DLQ_STREAM_SEQ",
     "H_DLQ_TIMESTAMP",
+    "H_DLQ_TRUNCATED",
     "REASONS",
     "DeadLetter",
     "DeadLetters",
@@ -67,8 +70,23 @@ H_DLQ_STREAM = "Dlq-Stream"
 H_DLQ_STREAM_SEQ = "Dlq-Stream-Seq"
 H_DLQ_CONSUMER = "Dlq-Consumer"
 H_DLQ_TIMESTAMP = "Dlq-Timestamp"
+H_DLQ_TRUNCATED = "Dlq-Truncated"
+H_DLQ_ORIGINAL = "Dlq-Original"
 DLQ_PREFIX = "Dlq-"
+# A longer original id is not reused as the dead letter's (it could not be kept whole).
+_MAX_ID = 256
+_REDRIVE_SUFFIX = re.compile(r"(?:-redrive-\d+)+$")
 
+_OURS = (
+    H_DLQ_REASON,
+    H_DLQ_ERROR,
+    H_DLQ_DELIVERIES,
+    H_DLQ_ORIGINAL_SUBJECT,
+    H_DLQ_STREAM,
+    H_DLQ_STREAM_SEQ,
+    H_DLQ_CONSUMER,
+    H_DLQ_TIMESTAMP,
+)
 REASONS = ("malformed", "unrecoverable", "max_deliveries", "expired", "rejected")
 ERROR_LIMIT = 1024
 
@@ -135,25 +153,58 @@ async def dead_letter(
             H_DLQ_TIMESTAMP: now_ts(),
         }
     )
-    msg_id = original.get(H_MSG_ID) or f"dlq-{stream}-{seq}"
+    msg_id = original.get(H_MSG_ID) or ""
+    if not msg_id or len(msg_id) > _MAX_ID:
+        msg_id = f"dlq-{stream}-{seq}"
+    headers[H_MSG_ID] = msg_id
     try:
         subject = dead_letter_subject(msg.subject)
     except InvalidSubject as exc:
         raise PublishError(
             f"cannot dead-letter {stream} #{seq}: {exc}", kind="invalid_subject"
         ) from None
-    result = await publisher.publish(subject, msg.data, headers=headers, msg_id=msg_id)
+    fitted = await _fit(publisher, subject, msg, headers, original, stream, seq)
+    result = await publisher.publish(subject, fitted.data, headers=fitted.headers, msg_id=msg_id)
     log.info(
-        "dead-lettered %s #%d (%s) from %s as %s #%d: %s",
-        stream, seq, msg.subject, consumer, result.stream, result.seq, headers[H_DLQ_ERROR],
+        "dead-lettered %s #%d (%s) from %s as %s #%d%s: %s",
+        stream, seq, msg.subject, consumer, result.stream, result.seq,
+        f" (truncated: {fitted.cut})" if fitted.cut else "", headers[H_DLQ_ERROR],
     )  # fmt: skip
     return result
 
 
+async def _fit(
+    publisher: Publisher,
+    subject: str,
+    msg: Msg,
+    headers: dict[str, str],
+    original: dict[str, str],
+    stream: str,
+    seq: int,
+) -> Fitted:
+    """The dead letter as it fits; a truncated one has its whole original kept first."""
+    try:
+        check_fits(subject, msg.data, headers, publisher.limits())
+    except PublishError:
+        pass
+    else:
+        return Fitted(msg.data, headers)
+    headers[H_DLQ_ORIGINAL] = original_copy_subject(stream, seq)
+    keep = [*_OURS, H_DLQ_ORIGINAL, H_MSG_ID]
+    fitted = publisher.fit(subject, msg.data, headers, mark=H_DLQ_TRUNCATED, keep=keep)
+    await keep_original(publisher, msg.subject, msg.data, original, stream, seq)
+    return fitted
+
+
 def redrive_id(msg_id: str, dead_letter_seq: int) -> str:
     """``Nats-Msg-Id`` of a re-driven message: the original id would be dropped as a
-    duplicate inside the server's window, so each re-drive of a dead letter gets its own."""
-    return f"{msg_id}-redrive-{dead_letter_seq}"
+    duplicate inside the server's window, so each re-drive of a dead letter gets its own.
+    It is derived from the first id: a message re-driven again does not grow its id.
+
+    >>> redrive_id(redrive_id("x", 2), 4)
+    'x-redrive-4'
+    """
+    return f"{_REDRIVE_SUFFIX.sub('', msg_id)}-redrive-{dead_letter_seq}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +229,32 @@ class DeadLetter:
     @property
     def original_headers(self) -> dict[str, str]:
         """The headers the original message had (every ``Dlq-*`` removed)."""
-        return {
-            k: v for k, v in self.headers.items() if not k.lower().startswith(DLQ_PREFIX.lower())
-        }
+        return _without_dlq(self.headers)
+
+    @property
+    def truncated(self) -> str:
+        """What was cut to make it fit (``Dlq-Truncated``), or "" for a whole dead letter."""
+        return self.headers.get(H_DLQ_TRUNCATED, "")
+
+    @property
+    def original_copy(self) -> str:
+        """Where the whole original of a truncated dead letter is kept ("" when whole)."""
+        if not self.truncated:
+            return ""
+        copy = self.headers.get(H_DLQ_ORIGINAL, "")
+        if not copy and self.stream and self.stream_seq is not None:
+            copy = original_copy_subject(self.stream, self.stream_seq)
+        return copy
+
+
+def _without_dlq(headers: Mapping[str, str]) -> dict[str, str]:
+    """Headers fit to publish again: no ``Dlq-*``, no server directives."""
+    prefix = DLQ_PREFIX.lower()
+    return {
+        k: v
+        for k, v in headers.items()
+        if not k.lower().startswith(prefix) and k.lower() not in _DIRECTIVES
+    }
 
 
 def _int(value: str | None) -> int | None:
@@ -218,131 +292,5 @@ def _letter(
     )
 
 
-class DeadLetters:
-    """Inspect, re-drive and purge the dead-letter stream (``MESHFORGE_FAILED``).
-
-    Example::
-
-        letters = DeadLetters(conn.js, Publisher(conn.js))
-        print(await letters.count())
-        await letters.redrive_all()
-    """
-
-    def __init__(
-        self, js: JetStreamContext, publisher: Publisher, *, stream: str = STREAM_FAILED
-    ) -> None:
-        self.js = js
-        self.publisher = publisher
-        self.stream = stream
-
-    def _missing(self) -> MissingTopology:
-        return MissingTopology(
-            f"stream {self.stream} does not exist: create the streams with `meshforge provision`"
-        )
-
-    async def count(self, subject_filter: str | None = None) -> int:
-        """How many dead letters are stored (matching ``subject_filter``, e.g. ``failed.cmd.>``)."""
-        try:
-            if subject_filter:
-                validate_subject(subject_filter, wildcards=True)
-                info = await self.js.stream_info(self.stream, subjects_filter=subject_filter)
-                return sum((info.state.subjects or {}).values())
-            info = await self.js.stream_info(self.stream)
-        except nats.js.errors.NotFoundError:
-            raise self._missing() from None
-        return int(info.state.messages)
-
-    async def list(self, limit: int = 100, subject_filter: str | None = None) -> list[DeadLetter]:
-        """The oldest ``limit`` dead letters (matching ``subject_filter``), oldest first."""
-        if subject_filter:
-            validate_subject(subject_filter, wildcards=True)
-        letters: list[DeadLetter] = []
-        seq = 1
-        while len(letters) < limit:
-            try:
-                raw = await self.js.get_msg(
-                    self.stream, seq=seq, subject=subject_filter or ">", next=True
-                )
-            except nats.js.errors.NotFoundError as exc:
-                if exc.err_code == 10059:  # the stream itself is missing
-                    raise self._missing() from None
-                break  # no message at or after seq
-            if raw.seq is None:
-                break
-            letters.append(
-                _letter(raw.seq, raw.subject or "", raw.data or b"", raw.headers or {}, raw.time)
-            )
-            seq = raw.seq + 1
-        return letters
-
-    async def get(self, seq: int) -> DeadLetter:
-        """The dead letter with id ``seq``; raises ``MeshForgeError`` when there is none."""
-        try:
-            raw = await self.js.get_msg(self.stream, seq=seq)
-        except nats.js.errors.NotFoundError as exc:
-            if exc.err_code == 10059:
-                raise self._missing() from None
-            raise MeshForgeError(f"no dead letter with id {seq} in {self.stream}") from None
-        return _letter(
-            raw.seq or seq, raw.subject or "", raw.data or b"", raw.headers or {}, raw.time
-        )
-
-    async def redrive(self, seq: int) -> PublishResult:
-        """Publish dead letter ``seq`` again to its original subject with its original body and
-        headers, then delete it (only after the PubAck: a failed re-drive keeps it).
-
-        The copy's ``Nats-Msg-Id`` is ``redrive_id(original id, seq)``, so re-driving the same
-        dead letter twice (e.g. after a crash before the delete) stores it once.
-        """
-        letter = await self.get(seq)
-        if not letter.original_subject:
-            raise MeshForgeError(f"dead letter {seq} names no original subject: cannot re-drive it")
-        headers = letter.original_headers
-        msg_id = redrive_id(headers.get(H_MSG_ID) or f"dlq-{self.stream}-{seq}", seq)
-        headers[H_MSG_ID] = msg_id
-        result = await self.publisher.publish(
-            letter.original_subject, letter.data, headers=headers, msg_id=msg_id
-        )
-        await self._delete(seq)
-        log.info(
-            "re-drove dead letter %d to %s (%s #%d)",
-            seq,
-            letter.original_subject,
-            result.stream,
-            result.seq,
-        )
-        return result
-
-    async def redrive_all(
-        self, subject_filter: str | None = None, *, batch: int = 100
-    ) -> builtins.list[tuple[int, PublishResult]]:
-        """Re-drive every dead letter (matching ``subject_filter``), oldest first; returns
-        ``(dead letter id, result)`` pairs. Stops at the first failure (raising it)."""
-        done: builtins.list[tuple[int, PublishResult]] = []
-        while True:
-            letters = await self.list(limit=batch, subject_filter=subject_filter)
-            if not letters:
-                return done
-            for letter in letters:
-                done.append((letter.seq, await self.redrive(letter.seq)))
-
-    async def purge(self, subject_filter: str | None = None) -> int:
-        """Delete every dead letter (matching ``subject_filter``); returns how many there were."""
-        before = await self.count(subject_filter)
-        try:
-            await self.js.purge_stream(self.stream, subject=subject_filter)
-        except nats.js.errors.NotFoundError:
-            raise self._missing() from None
-        log.info("purged %d dead letter(s) from %s", before, self.stream)
-        return before
-
-    async def _delete(self, seq: int) -> None:
-        try:
-            await self.js.delete_msg(self.stream, seq)
-        except nats.js.errors.NotFoundError:
-            pass  # deleted meanwhile (a concurrent re-drive or purge): the goal is met
-        except (nats.errors.Error, nats.js.errors.Error) as exc:
-            raise MeshForgeError(
-                f"dead letter {seq} was re-driven but could not be deleted ({one_line(exc, 200)}); "
-                "re-driving it again stores no second copy"
-            ) from None
+# The admin API lives in its own module; it is re-exported here where it always was.
+from meshforge.deadletter_admin import DeadLetters  # noqa: E402

@@ -93,6 +93,7 @@ _STR_FIELDS = (
     "not_before_ts", "deadline_ts",
 )  # fmt: skip
 _OPTIONAL_OUT = ("not_before_ts", "deadline_ts", "expected_node_epoch")
+_LOCAL_FIELDS = ("extra", "body_tenant_id")
 
 
 @dataclass(slots=True)
@@ -117,6 +118,9 @@ class Envelope:
     deadline_ts: str | None = None
     expected_node_epoch: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # What the received body said about the tenant, before the header or subject won;
+    # never encoded: admission compares it with the subject.
+    body_tenant_id: str | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def new(cls, type: str, payload: Mapping[str, Any] | None = None, **fields_: Any) -> Self:
@@ -164,6 +168,14 @@ class Envelope:
         """A copy with some fields changed."""
         return replace(self, **changes)
 
+    def addressed_to(self, subject: str) -> Envelope:
+        """This envelope as sent on ``subject``: a tenant left at ``default`` takes the tenant
+        a ``cmd.``/``evt.`` subject names, since the subject is the tenant's authority."""
+        if self.tenant_id != "default" or not subject.startswith(("cmd.", "evt.")):
+            return self
+        tenant = subject.split(".", 2)[1]
+        return self.with_(tenant_id=tenant) if tenant and tenant != "default" else self
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON object: unknown fields first (known ones win), optional control fields when set."""
         out: dict[str, Any] = dict(self.extra)
@@ -208,11 +220,12 @@ class Outbound:
 
     @classmethod
     def of(cls, subject: str, env: Envelope) -> Outbound:
+        env = env.addressed_to(subject)
         return cls(subject=subject, data=env.encode(), headers=env.headers(), msg_id=env.id)
 
 
 # Computed once: ``fields()`` per message was a measurable part of the hot path.
-_FIELD_NAMES = tuple(f.name for f in fields(Envelope) if f.name != "extra")
+_FIELD_NAMES = tuple(f.name for f in fields(Envelope) if f.name not in _LOCAL_FIELDS)
 _KNOWN = frozenset(_FIELD_NAMES)
 
 
@@ -231,6 +244,9 @@ def decode(
     default_ts: str | None = None,
 ) -> Envelope:
     """Parse an envelope; headers win over the body for the same fact.
+
+    The body's own ``tenant_id`` is kept in ``body_tenant_id`` so admission can compare
+    header, body and subject (the subject decides; see ``meshforge.scope``).
 
     A missing ``id`` becomes the ``Nats-Msg-Id`` header or an id derived from the bytes
     (so redeliveries agree); a missing ``ts`` becomes ``default_ts`` (e.g. the stream's
@@ -285,4 +301,5 @@ def decode(
         deadline_ts=obj.get("deadline_ts"),
         expected_node_epoch=epoch,
         extra=extra,
+        body_tenant_id=obj.get("tenant_id") or None,
     )

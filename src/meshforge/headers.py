@@ -4,8 +4,7 @@ nats-py parses every received message's header block in ``Client._parse_header_l
 and checks each header name for whitespace with a generator over its characters: about
 80 Python-level calls per MeshForge message, the largest single cost of receiving one.
 ``parse_header_lines`` gives the same dict (same skipped lines, same decoding) with one
-``str.split`` per name instead; ``install()`` puts it on nats-py's client class, once per
-process.
+``str.split`` per name instead; MeshForge's client class (``meshforge.connection``) uses it.
 
 Example::
 
@@ -16,7 +15,7 @@ from __future__ import annotations
 
 from nats.aio.client import Client
 
-__all__ = ["install", "parse_header_lines"]
+__all__ = ["parse_header_lines"]
 
 _CRLF = b"\r\n"
 # nats-py's own parser, kept for comparison (the tests check both agree).
@@ -40,8 +39,3 @@ def parse_header_lines(raw: bytes) -> dict[str, str]:
         out[key] = value.strip().decode("utf-8", "replace")
     return out
 
-
-def install() -> None:
-    """Make nats-py's client parse headers with ``parse_header_lines`` (idempotent)."""
-    if hasattr(Client, "_parse_header_lines"):  # the nats-py versions that parse this way
-        Client._parse_header_lines = staticmethod(parse_header_lines)  # type: ignore[method-assign]

@@ -40,6 +40,7 @@ from meshforge.envelope import H_MSG_ID
 from meshforge.errors import StoreError, one_line
 from meshforge.observability import Metrics
 from meshforge.retention import cleanup_loop, cleanup_once
+from meshforge.scope import command_scope
 from meshforge.store.base import InboxRecord, Store, Transaction
 
 __all__ = [
@@ -113,6 +114,8 @@ def _begin_fields(delivery: Delivery) -> dict[str, Any]:
         "headers": dict(delivery.headers),
         "resource_type": env.resource_type if env is not None else None,
         "resource_id": env.resource_id if env is not None else None,
+        # The subject's tenant and namespace: two tenants' keys never meet.
+        "scope": command_scope(delivery.subject, env.tenant_id if env is not None else None),
     }
 
 
@@ -204,7 +207,7 @@ def _run_sync(
         decision = handler(delivery, tx)
         if decision is not None and decision.action is not Action.ACK:
             raise _Undo(decision)
-        tx.inbox_done(key, consumer)
+        tx.inbox_done(key, consumer, scope=fields["scope"])
         return decision
 
     return store.run(work, attempts=attempts)
@@ -255,7 +258,7 @@ async def _async_transaction(
                 result = await handler(delivery, atx)
                 if result is not None and result.action is not Action.ACK:
                     raise _Undo(result)
-                await atx.inbox_done(key, consumer)
+                await atx.inbox_done(key, consumer, scope=fields["scope"])
         except BaseException as exc:
             await asyncio.shield(call(manager.__exit__, type(exc), exc, exc.__traceback__))
             raise
@@ -273,7 +276,7 @@ async def _record_failure(
     def work(tx: Transaction) -> None:
         if tx.inbox_begin(key, consumer, **fields).processed:
             return  # another delivery finished it meanwhile
-        tx.inbox_failed(key, consumer, error)
+        tx.inbox_failed(key, consumer, error, scope=fields["scope"])
 
     try:
         await asyncio.to_thread(store.run, work)

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json as jsonlib
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any, ClassVar
@@ -41,8 +42,10 @@ from prometheus_client import (
 )
 
 from meshforge.envelope import format_traceparent, parse_traceparent
+from meshforge.errors import MeshForgeError, one_line
 
 __all__ = [
+    "EndpointError",
     "HttpEndpoint",
     "JsonFormatter",
     "Metrics",
@@ -104,6 +107,46 @@ class Metrics:
         )
         self.in_flight = Gauge("meshforge_in_flight", "Messages being handled now.", ["consumer"], registry=r)
         self.outbox_depth = Gauge("meshforge_outbox_depth", "Outbox rows not yet sent.", registry=r)
+        # Polled from the server's consumer info (see meshforge.probes), not counted locally.
+        self.consumer_pending = Gauge(
+            "meshforge_consumer_pending",
+            "Messages stored for the consumer and not yet delivered (num_pending).",
+            ["stream", "consumer"],
+            registry=r,
+        )
+        self.consumer_ack_pending = Gauge(
+            "meshforge_consumer_ack_pending",
+            "Messages delivered and not yet acked (num_ack_pending).",
+            ["stream", "consumer"],
+            registry=r,
+        )
+        self.consumer_redelivered = Gauge(
+            "meshforge_consumer_redelivered",
+            "Unacked messages delivered more than once (num_redelivered).",
+            ["stream", "consumer"],
+            registry=r,
+        )
+        self.inbox_rows = Gauge(
+            "meshforge_inbox_rows", "Inbox rows kept in the store, by status.", ["status"], registry=r
+        )
+        self.effects_rows = Gauge(
+            "meshforge_effects_rows",
+            "Agents' stored effects (idempotency keys), published or not yet.",
+            ["status"],
+            registry=r,
+        )
+        self.node_commands = Counter(
+            "meshforge_node_commands",
+            "Commands a node took from its mailbox, by command type.",
+            ["site", "node", "command"],
+            registry=r,
+        )
+        self.node_replies = Counter(
+            "meshforge_node_replies", "Replies a node sent, by status.", ["site", "node", "status"], registry=r
+        )
+        self.node_epoch = Gauge("meshforge_node_epoch", "A node's current epoch.", ["site", "node"], registry=r)
+        self.ready = Gauge("meshforge_ready", "1 while the process consumes and is connected to NATS.", registry=r)
+        self.nats_connected = Gauge("meshforge_nats_connected", "1 while connected to NATS.", registry=r)
 
     @classmethod
     def default(cls) -> Metrics:
@@ -112,9 +155,33 @@ class Metrics:
             cls._default = cls()
         return cls._default
 
+    def prepare_consumer(self, consumer: str, reasons: Sequence[str] = ()) -> None:
+        """Export a consumer's series at 0 before its first message, so ``increase()`` in an
+        alert sees the first dead letter (a series born at 1 shows no increase)."""
+        for counter in (
+            self.consumed, self.acked, self.naked, self.redeliveries,
+            self.deliveries_exhausted, self.duplicates_skipped,
+        ):  # fmt: skip
+            counter.labels(consumer=consumer)
+        self.in_flight.labels(consumer=consumer)
+        for reason in reasons:
+            self.dead_lettered.labels(consumer=consumer, reason=reason)
+
+    def track(self, ready: Callable[[], bool], connected: Callable[[], bool]) -> None:
+        """Make ``meshforge_ready`` and ``meshforge_nats_connected`` read these at each scrape."""
+        self.ready.set_function(lambda: 1.0 if _safe(ready) else 0.0)
+        self.nats_connected.set_function(lambda: 1.0 if _safe(connected) else 0.0)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
         return generate_latest(self.registry)
+
+
+def _safe(check: Callable[[], bool]) -> bool:
+    try:
+        return bool(check())
+    except Exception:  # a failing check reads as false, never as a failed scrape
+        return False
 
 
 # ------------------------------------------------------------------ trace context
@@ -266,12 +333,18 @@ _READ_TIMEOUT = 5.0
 _log = logging.getLogger("meshforge.observability")
 
 
+class EndpointError(MeshForgeError):
+    """The health and metrics endpoint cannot listen (port in use, unknown host)."""
+
+
 class HttpEndpoint:
     """A running /healthz /readyz /metrics server; ``port`` is the bound port."""
 
     def __init__(self, server: asyncio.Server) -> None:
         self._server = server
-        self.port: int = server.sockets[0].getsockname()[1]
+        bound = server.sockets[0].getsockname()
+        self.host: str = bound[0]
+        self.port: int = bound[1]
 
     async def close(self) -> None:
         """Stop listening and close open connections."""
@@ -295,11 +368,12 @@ async def serve_http(
 ) -> HttpEndpoint:
     """Serve ``/healthz`` (JSON from ``health()``; 503 when it has ``ok: false`` or a
     ``state`` other than ``connected``), ``/readyz`` (200 when ``ready()``, else 503) and
-    ``/metrics`` (Prometheus text). Port 0 picks a free port.
+    ``/metrics`` (Prometheus text). Port 0 picks a free port. A port in use (or a host
+    that cannot be bound) raises ``EndpointError`` with one line.
 
     Example::
 
-        endpoint = await serve_http("0.0.0.0", 9100, metrics, conn.health, consumer.ready.is_set)
+        endpoint = await serve_http("127.0.0.1", 9100, metrics, conn.health, consumer.ready.is_set)
         ...
         await endpoint.close()
     """
@@ -354,5 +428,12 @@ async def serve_http(
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    server = await asyncio.start_server(handle, host, port)
+    try:
+        server = await asyncio.start_server(handle, host, port)
+    except OSError as exc:
+        why = "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or one_line(exc))
+        raise EndpointError(
+            f"cannot serve /healthz /readyz /metrics on {host}:{port}: {why}; "
+            "choose another --metrics-port (0 picks a free one)"
+        ) from None
     return HttpEndpoint(server)

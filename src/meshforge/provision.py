@@ -2,7 +2,8 @@
 
 ``plan`` reads the server and says, for each spec, create / update (with a field-by-field
 diff) / unchanged / refused (and why). It refuses what JetStream cannot change in place
-(retention, storage, a consumer's ack or deliver policy), a stream whose subjects overlap
+(retention, storage, a consumer's ack or deliver policy), a consumer's filter (another
+worker may rely on it), a stream whose subjects overlap
 another stream's (existing or planned, naming both), and a consumer whose filter overlaps
 another consumer's on a work-queue stream. ``apply`` executes a plan with no refusals and,
 if it fails half-way, says exactly what was and was not done. ``ensure`` is both.
@@ -231,6 +232,15 @@ def _plan_consumer(
             current=current,
         )
     changes = diff(describe_consumer(current), describe_consumer(spec.config()))
+    refiltered = [c for c in changes if c.field == "filter_subject"]
+    if refiltered:
+        # Another worker may consume through this filter: rewriting it would strand its messages.
+        return refuse(
+            f"consumer {spec.durable} is filtered {refiltered[0].current!r}, not "
+            f"{refiltered[0].desired!r}; a worker may rely on its filter, so it is not rewritten: "
+            "bind this worker to its own tenant/namespace or delete the consumer first",
+            current=current,
+        )
     action = Action.UPDATE if changes else Action.UNCHANGED
     return Step("consumer", spec, action, changes, current=current)
 

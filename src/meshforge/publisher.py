@@ -5,7 +5,9 @@ id, the given ``msg_id``, or a fresh one), so a retried attempt whose first PubA
 lost is stored once and reported as ``duplicate``. Transient failures (timeout, no
 responders during a server restart, connection lost) are retried with exponential
 backoff and full jitter; permanent ones (permission denied, payload too large, invalid
-subject, wrong last sequence) raise ``PublishError`` at once.
+subject, wrong last sequence) raise ``PublishError`` at once. A message over the server's
+``max_payload`` or JetStream's header limit is refused before it is sent (the server would
+close the connection); ``Publisher.fit`` makes a message fit by truncating it.
 
 Example::
 
@@ -22,7 +24,7 @@ import asyncio
 import logging
 import random
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +37,10 @@ from meshforge.config import Settings, load_settings
 from meshforge.envelope import H_MSG_ID, Envelope, Outbound
 from meshforge.errors import InvalidSubject, PublishError, one_line
 from meshforge.observability import Metrics
+from meshforge.sizes import DEFAULT_MAX_PAYLOAD, Fitted, SizeLimits, check_fits, fit_message
 from meshforge.subjects import validate_subject
 
-__all__ = ["NO_STREAM_ATTEMPTS", "PublishResult", "Publisher", "classify"]
+__all__ = ["NO_STREAM_ATTEMPTS", "Fitted", "PublishResult", "Publisher", "SizeLimits", "classify"]
 
 log = logging.getLogger("meshforge.publisher")
 
@@ -176,6 +179,7 @@ class Publisher:
         self.js = js
         self.settings = settings if settings is not None else load_settings()
         self.metrics = metrics if metrics is not None else Metrics.default()
+        self._limits = SizeLimits()
 
     # ------------------------------------------------------------------ single
     async def publish(
@@ -197,7 +201,7 @@ class Publisher:
             r = await publisher.publish("evt.default.demo.order.created", b"{...}", msg_id="e-1")
         """
         try:
-            item = self._outbound(subject, data, headers, msg_id)
+            item = self._outbound(subject, data, headers, msg_id, self.limits())
         except PublishError as refused:
             self._failed(refused, 0)
             raise
@@ -261,9 +265,12 @@ class Publisher:
         outcomes: list[PublishResult | PublishError | None] = [None] * len(items)
         ready: list[Outbound] = []
         pending: list[int] = []
+        limits = self.limits()
         for index, item in enumerate(items):
             try:
-                ready.append(self._outbound(item.subject, item.data, item.headers, item.msg_id))
+                ready.append(
+                    self._outbound(item.subject, item.data, item.headers, item.msg_id, limits)
+                )
                 pending.append(index)
             except PublishError as refused:
                 self._failed(refused, 0)
@@ -348,6 +355,41 @@ class Publisher:
                 answers.append(error if error is not None else w.result())
         return answers
 
+    # ------------------------------------------------------------------ sizes
+    def limits(self) -> SizeLimits:
+        """The limits every message must respect: the connected server's ``max_payload``
+        (from its INFO; 1 MiB before the first) and JetStream's 64 KiB header block."""
+        nc = getattr(self.js, "_nc", None)
+        max_payload = getattr(nc, "_max_payload", None)
+        if not isinstance(max_payload, int) or max_payload <= 0:
+            max_payload = DEFAULT_MAX_PAYLOAD
+        if self._limits.max_payload != max_payload:
+            self._limits = SizeLimits(max_payload=max_payload)
+        return self._limits
+
+    def fit(
+        self,
+        subject: str,
+        data: bytes,
+        headers: Mapping[str, str],
+        *,
+        mark: str | None = None,
+        keep: Collection[str] = (),
+    ) -> Fitted:
+        """``data`` and ``headers`` made to fit this server's limits (see ``sizes.fit_message``).
+
+        Without ``mark`` a message over a limit raises ``PublishError``
+        (``payload_too_large``); with it, long headers not in ``keep`` are dropped, the body
+        is cut, and header ``mark`` says what was cut and the original sizes. Count the
+        ``Nats-Msg-Id`` in: put it in ``headers`` (and ``keep``) before fitting.
+
+        Example::
+
+            fitted = publisher.fit(subject, body, headers, mark="Dlq-Truncated", keep=kept)
+            await publisher.publish(subject, fitted.data, headers=fitted.headers)
+        """
+        return fit_message(subject, data, headers, self.limits(), mark=mark, keep=keep)
+
     # ------------------------------------------------------------------ internals
     def _outbound(
         self,
@@ -355,12 +397,14 @@ class Publisher:
         data: Envelope | bytes,
         headers: dict[str, str] | None,
         msg_id: str | None,
+        limits: SizeLimits,
     ) -> Outbound:
         try:
             validate_subject(subject)
         except InvalidSubject as exc:
             raise PublishError(str(exc), kind="invalid_subject") from None
         if isinstance(data, Envelope):
+            data = data.addressed_to(subject)
             body = data.encode()
             hdrs = data.headers()
             hdrs.update(headers or {})
@@ -377,6 +421,8 @@ class Publisher:
         # Without an id a retried attempt could be stored twice; with one it cannot.
         msg_id = msg_id or str(uuid.uuid4())
         hdrs[H_MSG_ID] = msg_id
+        # Over max_payload the server closes the connection: refuse before sending.
+        check_fits(subject, body, hdrs, limits)
         return Outbound(subject=subject, data=body, headers=hdrs, msg_id=msg_id)
 
     def _limit(self, kind: str) -> int:

@@ -56,6 +56,7 @@ __all__ = [
     "StreamSpec",
     "Verification",
     "agent_consumer",
+    "agent_durable",
     "apply",
     "default_streams",
     "ensure",
@@ -190,10 +191,22 @@ def default_streams(settings: Settings) -> list[StreamSpec]:
     ]
 
 
+def agent_durable(agent: str, tenant: str = "*", namespace: str = "*") -> str:
+    """The durable name of an agent's consumer for a tenant and namespace (``*``: any)."""
+    if tenant == "*" and namespace == "*":
+        return f"{agent}_consumer"
+    bound = "_".join("all" if t == "*" else t for t in (tenant, namespace))
+    return f"{agent}_consumer_{bound}"
+
+
 def agent_consumer(
     agent: str, settings: Settings, tenant: str | None = None, namespace: str | None = None
 ) -> ConsumerSpec:
-    """``<agent>_consumer`` on MESHFORGE_COMMANDS, filtered ``cmd.<tenant|*>.<namespace|*>.<agent>.>``.
+    """The agent's durable on MESHFORGE_COMMANDS, filtered ``cmd.<tenant|*>.<namespace|*>.<agent>.>``.
+
+    Its name is ``<agent>_consumer`` when unbound; a worker bound to a tenant and/or a
+    namespace gets its own, ``<agent>_consumer_<tenant|all>_<namespace|all>``, so workers
+    of different tenants never share (or rewrite the filter of) one durable.
 
     MaxDeliver is ``settings.max_deliver + 1``: the extra delivery is reserved for
     dead-lettering, so a worker killed during its last real attempt still yields a dead
@@ -201,14 +214,18 @@ def agent_consumer(
 
     >>> agent_consumer("order", Settings()).filter_subject
     'cmd.*.*.order.>'
+    >>> agent_consumer("order", Settings(), tenant="acme").durable
+    'order_consumer_acme_all'
     """
     validate_token(agent, "agent name")
-    tenant = tenant or settings.tenant or "*"
-    namespace = namespace or settings.namespace or "*"
+    tenant = tenant or settings.tenant
+    namespace = namespace or settings.namespace
+    tenant = validate_token(tenant, "tenant") if tenant else "*"
+    namespace = validate_token(namespace, "namespace") if namespace else "*"
     max_deliver = settings.max_deliver + 1
     return ConsumerSpec(
         stream=STREAM_COMMANDS,
-        durable=f"{agent}_consumer",
+        durable=agent_durable(agent, tenant, namespace),
         filter_subject=f"cmd.{tenant}.{namespace}.{agent}.>",
         ack_wait=settings.ack_wait,
         max_deliver=max_deliver,

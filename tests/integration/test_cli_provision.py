@@ -88,8 +88,10 @@ def test_provision_twice_reports_no_changes_the_second_time(
         "order",
         "--agent",
         "inventory",
+        "--site",
+        "lab1",
         "--node",
-        "lab1.node7",
+        "node7",
     ]
     first = run(*args)
     assert first.exit_code == 0, first.output
@@ -156,9 +158,9 @@ def test_refusal_through_the_real_program_is_one_error_line(
 
 
 def test_bad_node_is_a_usage_error(nats_url: str) -> None:
-    result = run("--nats-url", nats_url, "--node", "lab1")
+    result = run("--nats-url", nats_url, "--node", "node7")
     assert result.exit_code == 2
-    assert "SITE.NODE" in result.output
+    assert "--site SITE --node node7" in result.output
 
 
 def test_without_url_uses_an_embedded_server_under_dot_meshforge(

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 from pathlib import Path
 
@@ -126,86 +125,6 @@ def test_redact_url() -> None:
 async def test_missing_creds_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^creds_file: expected a readable file"):
         await connect(settings(creds_file=str(tmp_path / "none.creds")), url="nats://127.0.0.1:1")
-
-
-def _make_certs(directory: Path) -> dict[str, Path]:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate (openssl CLI)."""
-    p = {n: directory / f"{n}.pem" for n in ("ca", "ca-key", "srv", "srv-key", "cli", "cli-key")}
-    ext = directory / "san.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run(
-        "req",
-        "-x509",
-        *ec,
-        "-keyout",
-        str(p["ca-key"]),
-        "-out",
-        str(p["ca"]),
-        "-days",
-        "1",
-        "-subj",
-        "/CN=meshforge-test-ca",
-    )
-    for name, cn in (("srv", "127.0.0.1"), ("cli", "meshforge-client")):
-        csr = directory / f"{name}.csr"
-        run(
-            "req",
-            "-new",
-            *ec,
-            "-keyout",
-            str(p[f"{name}-key"]),
-            "-out",
-            str(csr),
-            "-subj",
-            f"/CN={cn}",
-        )
-        run(
-            "x509",
-            "-req",
-            "-in",
-            str(csr),
-            "-CA",
-            str(p["ca"]),
-            "-CAkey",
-            str(p["ca-key"]),
-            "-CAcreateserial",
-            "-out",
-            str(p[name]),
-            "-days",
-            "1",
-            "-extfile",
-            str(ext),
-        )
-    return p
-
-
-async def test_mutual_tls(tmp_path: Path) -> None:
-    certs = await asyncio.to_thread(_make_certs, tmp_path)
-    args = [
-        "--tlsverify",
-        "--tlscert",
-        str(certs["srv"]),
-        "--tlskey",
-        str(certs["srv-key"]),
-        "--tlscacert",
-        str(certs["ca"]),
-    ]
-    async with EmbeddedServer(store_dir=tmp_path / "nats", extra_args=args) as server:
-        url = server.url.replace("nats://", "tls://")
-        # without a client certificate the server refuses the handshake
-        with pytest.raises(ConnectionFailed):
-            await connect(settings(tls_ca=str(certs["ca"]), connect_attempts=1), url=url)
-        good = settings(
-            tls_ca=str(certs["ca"]), tls_cert=str(certs["cli"]), tls_key=str(certs["cli-key"])
-        )
-        async with await connect(good, url=url) as conn:
-            assert conn.nc.connected_url is not None
-            assert (await conn.health())["state"] == "connected"
 
 
 async def test_unreadable_tls_file_is_a_config_error(tmp_path: Path) -> None:

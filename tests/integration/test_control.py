@@ -327,7 +327,9 @@ def test_ctl_commands_send_wait_reply_and_status(
     answered = _cli("ctl", "reply", site, "n1", reply["command_id"], *url)
     assert answered.exit_code == 0 and json.loads(answered.stdout) == reply
     unknown = _cli("ctl", "reply", site, "n1", "no-such-command", *url)
-    assert unknown.exit_code == 2 and "no reply" in unknown.stderr
+    assert unknown.exit_code == 1 and "no reply" in unknown.stderr
+    unanswered = _cli("ctl", "send", site, "nobody", "echo", "--wait", "0.5", *url)
+    assert unanswered.exit_code == 1 and "ctl reply" in unanswered.stderr
 
     rejected = _cli("ctl", "send", site, "n1", "echo", "--expect-epoch", "9", "--wait", "20", *url)
     assert rejected.exit_code == 1 and json.loads(rejected.stdout)["status"] == "rejected"

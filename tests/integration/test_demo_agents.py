@@ -122,7 +122,7 @@ def test_meshforge_run_refuses_a_bad_agent_in_one_line(tmp_path: Path) -> None:
             meshforge_command("run", spec, "--nats-url", "nats://127.0.0.1:1"),
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
-        assert out.returncode == 1
+        assert out.returncode == 2  # a bad argument is a usage error
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], out.stderr
 
@@ -172,7 +172,7 @@ def test_meshforge_demo_tells_the_whole_story(tmp_path: Path) -> None:
             for line in text.splitlines() if line.count("│") == 3}  # fmt: skip
     assert rows["commands sent"] == "300" and rows["orders created"] == "300"
     assert rows["duplicate effects"] == "0" and rows["lost commands"] == "0"
-    assert rows["order state hash after replay"].endswith("✅")
+    assert rows["order snapshot hash, replayed"].endswith("✅")
     assert (tmp_path / ".meshforge" / "demo" / "store.db").exists()
     # The story ends with the Spark ingest and audit over this run's events.
     assert "audit: exactly-once holds over what landed" in text, text[-3000:]

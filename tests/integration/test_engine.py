@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 from test_engine_support import (
+    SCOPE,
     Account,
     Tap,
     consumer_idle,
@@ -71,11 +72,11 @@ async def test_command_gets_events_sends_state_and_trace(nats_url: str, sqlite_u
         assert sent[0].causation_id == cmd.id and sent[0].key == sent[0].id
 
         with store.transaction() as tx:
-            state = msgspec.json.decode(tx.state_get(agent.name, "acc1") or b"", type=Account)
-            outputs = tx.effect_get(f"{agent.name}_consumer", cmd.key)
+            state = msgspec.json.decode(tx.state_get(agent.name, "acc1", scope=SCOPE) or b"", type=Account)
+            outputs = tx.effect_get(f"{agent.name}_consumer", cmd.key, scope=SCOPE)
         assert state == Account(balance=5, history=[5])
         assert outputs is not None and [o.msg_id for o in outputs] == [event.id, sent[0].id]
-        logged = list(store.events_read(agent.name))
+        logged = list(store.events_read(agent.name, scope=SCOPE))
         assert [(e.event_id, e.position, e.command_id, e.key) for e in logged] == [
             (event.id, 1, cmd.id, cmd.key)
         ]
@@ -123,9 +124,9 @@ async def test_same_idempotency_key_republishes_same_ids_and_changes_nothing(
             await wait_until(lambda: _true(len(tap.msgs) >= 2), what="re-published event")
         assert tap.ids() == [derive_id(first.id, 0)] * 2  # same event id, twice on the wire
         assert len(await events_of(conn, agent.name)) == 1  # stored once by the server
-        assert len(list(store.events_read(agent.name))) == 1
+        assert len(list(store.events_read(agent.name, scope=SCOPE))) == 1
         with store.transaction() as tx:
-            state = msgspec.json.decode(tx.state_get(agent.name, "a") or b"", type=Account)
+            state = msgspec.json.decode(tx.state_get(agent.name, "a", scope=SCOPE) or b"", type=Account)
         assert state.balance == 3
         skipped = metrics.duplicates_skipped.labels(consumer=f"{agent.name}_consumer")._value.get()
         assert skipped == 1
@@ -188,7 +189,7 @@ async def test_state_hash_is_the_same_whatever_the_batch_size(
                 assert result.events == 120 and result.resources == 7 and result.consistent
                 # The type names the agent: give every run the same one so they compare.
                 events = [dataclasses.replace(e, type=e.type.replace(agent.name, name))
-                          for e in store.events_read(agent.name)]  # fmt: skip
+                          for e in store.events_read(agent.name, scope=SCOPE)]  # fmt: skip
                 hashes.append(state_hash(events))
             finally:
                 store.close()

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 from test_engine_support import (
+    SCOPE,
     Account,
     consumer_idle,
     dead_letters_of,
@@ -65,7 +66,7 @@ async def test_bad_commands_are_dead_lettered_and_the_worker_goes_on(nats_url: s
         events = [m.envelope() for m in await events_of(conn, agent.name)]
         assert [e.causation_id for e in events if e] == [good.id]
         with store.transaction() as tx:
-            state = msgspec.json.decode(tx.state_get(agent.name, "a") or b"", type=Account)
+            state = msgspec.json.decode(tx.state_get(agent.name, "a", scope=SCOPE) or b"", type=Account)
         assert state == Account(balance=2, history=[2])  # the failed handlers' in-place edits undone
     finally:
         store.close()
@@ -188,9 +189,9 @@ async def test_store_errors_nak_the_batch_and_nothing_is_half_done(nats_url: str
             assert flaky.fail == 0
             events = [m.envelope() for m in await events_of(conn, agent.name)]
             assert sorted(e.causation_id for e in events if e) == sorted(c.id for c in cmds)
-            assert len(list(real.events_read(agent.name))) == 3
+            assert len(list(real.events_read(agent.name, scope=SCOPE))) == 3
             with real.transaction() as tx:
-                state = msgspec.json.decode(tx.state_get(agent.name, "a") or b"", type=Account)
+                state = msgspec.json.decode(tx.state_get(agent.name, "a", scope=SCOPE) or b"", type=Account)
             assert state.balance == 6
             assert not await dead_letters_of(conn, agent.name)
         finally:
@@ -208,7 +209,7 @@ async def test_a_worker_told_to_stop_while_it_cannot_reach_nats_stops_at_once(
     caplog.set_level(logging.INFO, logger="meshforge.connection")
     worker = Worker([ledger_agent()], settings)
     run = asyncio.create_task(worker.run())
-    await wait_until(lambda: "attempt 1/100" in caplog.text, what="a failed connect attempt")
+    await wait_until(lambda: "(attempt 1 of 100)" in caplog.text, what="a failed connect attempt")
     await worker.stop()
     await asyncio.wait_for(run, 5)  # 100 attempts with backoff would take minutes
     assert not worker.ready.is_set()

@@ -27,6 +27,7 @@ from meshforge.errors import Retry
 from meshforge.observability import Metrics
 from meshforge.publisher import Publisher
 from meshforge.runtime import Agent, Event, Output, Send, Worker, command
+from meshforge.scope import Scope
 from meshforge.store import Store, open_store
 from meshforge.subjects import STREAM_EVENTS, STREAM_FAILED
 from meshforge.topology import default_streams, ensure
@@ -89,6 +90,10 @@ def ledger_agent(name: str | None = None) -> Agent[Account]:
             return state
 
     return Ledger()
+
+
+# Where ``send`` puts commands (``cmd.default.test.…``): the scope of what they keep.
+SCOPE = Scope("default", "test")
 
 
 def settings_for(nats_url: str, store_url: str, **values: Any) -> Settings:

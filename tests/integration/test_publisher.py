@@ -358,12 +358,22 @@ def test_cli_publish_payload_and_envelope(nats_url: str) -> None:
         (["cmd.default.demo.*.create", "{}"], "invalid subject"),
     ],
 )
-def test_cli_publish_errors_are_one_line(nats_url: str, args: list[str], message: str) -> None:
+def test_cli_publish_bad_arguments_are_usage_errors(
+    nats_url: str, args: list[str], message: str
+) -> None:
     out = CliRunner().invoke(app, ["publish", *args, "--nats-url", nats_url])
-    assert out.exit_code != 0
-    assert isinstance(out.exception, MeshForgeError)
-    assert message in str(out.exception)
-    assert "\n" not in str(out.exception)
+    assert out.exit_code == 2, out.output
+    errors = [line for line in out.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and message in errors[0]
+
+
+def test_cli_publish_outside_every_stream_names_the_streams_not_provision(nats_url: str) -> None:
+    whole = json.dumps({"type": "x.y", "payload": {}})
+    out = CliRunner().invoke(app, ["publish", "foo.bar", whole, "--nats-url", nats_url])
+    assert isinstance(out.exception, MeshForgeError), out.output
+    text = str(out.exception)
+    assert "'foo.bar'" in text and "cmd.>" in text and "provision" not in text
+    assert "\n" not in text
 
 
 async def _provision(url: str) -> None:

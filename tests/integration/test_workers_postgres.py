@@ -13,6 +13,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from test_engine_support import (
+    SCOPE,
     consumer_idle,
     events_of,
     ledger_agent,
@@ -30,11 +31,13 @@ from meshforge.publisher import Publisher
 from meshforge.runtime.agent import derive_uuid
 from meshforge.runtime.engine import Engine
 from meshforge.runtime.replay import replay
+from meshforge.scope import Scope
 from meshforge.server import EmbeddedServer
 from meshforge.store import open_store
 from meshforge.subjects import STREAM_FAILED
 
 pytestmark = pytest.mark.postgres
+DEMO = Scope("default", "demo")
 
 
 @pytest.fixture
@@ -123,7 +126,7 @@ async def test_three_workers_one_killed_give_exactly_one_effect_per_command(
             for name, agent in (("order", OrderAgent()), ("inventory", InventoryAgent())):
                 result = await asyncio.to_thread(replay, store, name, agent)
                 assert result.consistent, result.mismatched
-            logged = list(store.events_read("order"))
+            logged = list(store.events_read("order", scope=DEMO))
             assert len(logged) == len(orders) and len({e.key for e in logged}) == len(orders)
             states = (await asyncio.to_thread(replay, store, "inventory", InventoryAgent())).states
             by_sku: dict[str, int] = defaultdict(int)
@@ -169,12 +172,12 @@ async def test_same_key_raced_by_two_engines_commits_one_effect(
         assert a[0].action is Action.ACK and b[0].action is Action.ACK
         skipped = [e.metrics.duplicates_skipped.labels(consumer=e.consumer)._value.get() for e in engines]
         assert sorted(skipped) == [0, 1]  # the loser found the winner's effect and re-published it
-        logged = list(stores[0].events_read(agent_a.name))
+        logged = list(stores[0].events_read(agent_a.name, scope=SCOPE))
         assert len(logged) == 1
         published = {m.envelope().id for m in await events_of(conn, agent_a.name)}  # type: ignore[union-attr]
         assert published == {logged[0].event_id}
         with stores[0].transaction() as tx:
-            assert (tx.state_get(agent_a.name, "x") is None) != (tx.state_get(agent_a.name, "y") is None)
+            assert (tx.state_get(agent_a.name, "x", scope=SCOPE) is None) != (tx.state_get(agent_a.name, "y", scope=SCOPE) is None)
     finally:
         for engine in engines:
             engine.close()

@@ -11,6 +11,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from meshforge.envelope import Envelope, Outbound
+from meshforge.scope import Scope
 from meshforge.server import EmbeddedServer
 from meshforge.spark.pipelines import audit, ingest
 from meshforge.store import StoredOutput, open_store
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.spark
 EVENTS, FAILED = "MESHFORGE_EVENTS", "MESHFORGE_FAILED"
 CMD_SUBJECT = "cmd.default.demo.order.create"
 EVT_SUBJECT = "evt.default.demo.order.created"
+DEMO = Scope("default", "demo")  # the subjects' scope: what the runtime keys their rows by
 
 
 async def _streams(url: str) -> None:
@@ -51,9 +53,10 @@ class Scenario:
         out = Outbound.of(EVT_SUBJECT, event)
         with self.store.transaction() as tx:
             self._begin(tx, cmd, deliveries)
-            tx.effect_put("order_consumer", cmd.key, cmd.id, [StoredOutput(0, out.subject, out.msg_id, out.data, out.headers)])
-            tx.inbox_done(cmd.key, "order_consumer")
-            tx.effect_mark_published("order_consumer", cmd.key)
+            tx.effect_put("order_consumer", cmd.key, cmd.id, [StoredOutput(0, out.subject, out.msg_id, out.data, out.headers)],
+                          scope=DEMO)  # fmt: skip
+            tx.inbox_done(cmd.key, "order_consumer", scope=DEMO)
+            tx.effect_mark_published("order_consumer", cmd.key, scope=DEMO)
         self.wire.append((out.subject, out.data, out.headers))
         return cmd
 
@@ -61,7 +64,7 @@ class Scenario:
         cmd = Envelope.new("order.create", {"qty": -1}, source="test")
         with self.store.transaction() as tx:
             self._begin(tx, cmd, 5)
-            tx.inbox_failed(cmd.key, "order_consumer", "Unrecoverable: bad qty")
+            tx.inbox_failed(cmd.key, "order_consumer", "Unrecoverable: bad qty", scope=DEMO)
         headers = {**cmd.headers(), "Dlq-Reason": "unrecoverable", "Dlq-Error": "Unrecoverable: bad qty",
                    "Dlq-Deliveries": "5", "Dlq-Original-Subject": CMD_SUBJECT}  # fmt: skip
         self.wire.append((f"failed.{CMD_SUBJECT}", cmd.encode(), headers))
@@ -83,6 +86,7 @@ class Scenario:
         tx.inbox_begin(  # type: ignore[attr-defined]
             cmd.key, "order_consumer", message_id=cmd.id, type=cmd.type, subject=CMD_SUBJECT,
             stream="MESHFORGE_COMMANDS", stream_seq=1, deliveries=deliveries, headers=cmd.headers(),
+            scope=DEMO,
         )  # fmt: skip
 
 
@@ -154,22 +158,30 @@ def test_store_source_reads_every_table(spark: SparkSession, tmp_path: Path) -> 
     cmd = scenario.processed(deliveries=2)
     with scenario.store.transaction() as tx:
         for agent, n in (("order", 3), ("inventory", 2)):
-            tx.events_append(agent, [NewEvent(f"{agent}-{i}", f"{agent}.x", None, cmd.id, cmd.key, b"{}", "t") for i in range(n)])
+            tx.events_append(agent, [NewEvent(f"{agent}-{i}", f"{agent}.x", None, cmd.id, cmd.key, b"{}", "t") for i in range(n)],
+                             scope=DEMO)  # fmt: skip
+        # Another tenant's log of the same agent, with the same event id: its own partition.
+        tx.events_append("order", [NewEvent("order-0", "order.x", None, cmd.id, cmd.key, b"{}", "t")],
+                         scope=Scope("tenantB", "demo"))  # fmt: skip
     scenario.store.close()
 
     def table(name: str):  # type: ignore[no-untyped-def]
         return spark.read.format("meshforge_store").option("url", url).option("table", name).load()
 
     events = table("events")
-    assert events.rdd.getNumPartitions() == 2  # one per agent
-    assert sorted((r.agent, r.position) for r in events.collect()) == [
-        ("inventory", 1), ("inventory", 2), ("order", 1), ("order", 2), ("order", 3),
+    assert events.rdd.getNumPartitions() == 3  # one per tenant, namespace and agent
+    assert sorted((r.tenant, r.namespace, r.agent, r.position) for r in events.collect()) == [
+        ("default", "demo", "inventory", 1), ("default", "demo", "inventory", 2),
+        ("default", "demo", "order", 1), ("default", "demo", "order", 2),
+        ("default", "demo", "order", 3), ("tenantB", "demo", "order", 1),
     ]  # fmt: skip
     effect = table("effects").collect()[0]
     assert (effect.command_id, effect.outputs, effect.published_at is not None) == (cmd.id, 1, True)
+    assert (effect.tenant, effect.namespace) == ("default", "demo")
     output = table("outputs").collect()[0]
     assert output.subject == EVT_SUBJECT and output.headers["Causation-Id"] == cmd.id
     inbox = table("inbox").collect()[0]
     assert (inbox.message_id, inbox.status, inbox.deliveries) == (cmd.id, "processed", 2)
+    assert (inbox.tenant, inbox.namespace) == ("default", "demo")
     with pytest.raises(Exception, match="no store at sqlite:///"):
         spark.read.format("meshforge_store").option("url", "sqlite:///nowhere/x.db").option("table", "inbox").load().count()

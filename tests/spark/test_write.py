@@ -130,3 +130,21 @@ async def test_replay_dry_run_then_twice_with_a_rate(
         assert msg.headers is not None and msg.headers["Nats-Msg-Id"] == sent[0].id
     finally:
         await js.delete_stream(target)
+
+
+async def test_replay_of_dead_letters_goes_to_the_original_subject(
+    spark: SparkSession, nats_url: str, js: JetStreamContext, stream: str
+) -> None:
+    from meshforge.spark.pipelines import replay
+
+    base = stream.lower()
+    rows = [
+        ("MESHFORGE_FAILED", 1, f"failed.{base}.a", {"Dlq-Reason": "unrecoverable", "Dlq-Original-Subject": f"{base}.a", "Nats-Msg-Id": "m1"}, b"{}"),
+        ("MESHFORGE_FAILED", 2, f"failed.{base}.b", {"Dlq-Reason": "malformed", "Nats-Msg-Id": "m2"}, b"x"),
+    ]  # fmt: skip
+    df = spark.createDataFrame(rows, "stream string, seq long, subject string, headers map<string,string>, data binary")
+    result = replay(spark, df, None, nats_url)
+    assert (result.rows, result.stored) == (2, 2)
+    first, second = await js.get_msg(stream, 1), await js.get_msg(stream, 2)
+    assert (first.subject, second.subject) == (f"{base}.a", f"{base}.b")
+    assert first.headers is not None and not [h for h in first.headers if h.startswith("Dlq-")]

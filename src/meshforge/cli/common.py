@@ -18,7 +18,11 @@ NatsUrl = Annotated[
     typer.Option(
         "--nats-url",
         envvar="MESHFORGE_NATS_URL",
-        help="NATS server URL; without one an embedded server is started under ./.meshforge/.",
+        help=(
+            "NATS server URL; without one an embedded server is started under ./.meshforge/. "
+            "Credentials and TLS come from MESHFORGE_USER/_PASSWORD, _TOKEN, _NKEY_SEED(_FILE), "
+            "_CREDS_FILE, _TLS_CA/_CERT/_KEY (see docs/SECURITY.md)."
+        ),
         show_default=False,
     ),
 ]
@@ -29,6 +33,31 @@ StoreUrl = Annotated[
         "--store",
         envvar="MESHFORGE_STORE_URL",
         help="sqlite:///path (default ./.meshforge/store.db) or postgresql://...",
+        show_default=False,
+    ),
+]
+
+NoProvision = Annotated[
+    bool,
+    typer.Option("--no-provision", help="Use existing streams and consumers; fail if missing."),
+]
+
+MetricsPort = Annotated[
+    int | None,
+    typer.Option(
+        "--metrics-port",
+        min=0,
+        max=65535,
+        help="Serve /healthz /readyz /metrics on this port (0: a free one).",
+        show_default=False,
+    ),
+]
+
+MetricsHost = Annotated[
+    str | None,
+    typer.Option(
+        "--metrics-host",
+        help="Address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 for every interface).",
         show_default=False,
     ),
 ]

@@ -75,7 +75,8 @@ def send(
 ) -> None:
     """Drop a command into the node's mailbox; print its reply (with --wait) or that it is queued.
 
-    Exits 1 when the reply's status is not ok (error, expired, rejected)."""
+    Exits 1 when the reply's status is not ok (error, expired, rejected) or, with --wait,
+    when no reply came in time."""
     from meshforge.config import load_settings
     from meshforge.control.client import to_timestamp
 
@@ -122,9 +123,11 @@ async def _send(
         reply = await ctl.wait_reply(site, name, cid, timeout=wait)
         if reply is None:
             typer.echo(
-                f"queued {command} as {cid} in the mailbox of {site}.{name} (no reply within {wait:g}s)"
+                f"error: queued {command} as {cid} in the mailbox of {site}.{name}, but no reply "
+                f"within {wait:g}s; read it later with: meshforge ctl reply {site} {name} {cid}",
+                err=True,
             )
-            return 0
+            return 1
         typer.echo(json.dumps(reply.to_dict(), indent=2, default=str))
         return 0 if reply.ok else 1
 
@@ -141,15 +144,15 @@ def reply(
     ] = 0,
     nats_url: NatsUrl = None,
 ) -> None:
-    """Print the node's reply to an earlier command (exit 1 if it is not ok, 2 if none yet)."""
+    """Print the node's reply to an earlier command (exit 1 if it is not ok or none came yet)."""
     from meshforge.config import load_settings
 
     settings = load_settings({"nats_url": nats_url})
     with nats_target(settings.nats_url) as url:
         found = asyncio.run(_reply(url, settings, site, name, command_id, wait))
     if found is None:
-        typer.echo(f"no reply to {command_id} from {site}.{name} yet", err=True)
-        raise typer.Exit(2)
+        typer.echo(f"error: no reply to {command_id} from {site}.{name} yet", err=True)
+        raise typer.Exit(1)
     typer.echo(json.dumps(found.to_dict(), indent=2, default=str))
     raise typer.Exit(0 if found.ok else 1)
 

@@ -357,10 +357,11 @@ async def _audit(
             table.add_row(f"{name} replay", f"[red]{r['error'][:80]}")
             continue
         table.add_row(f"{name} events in log", f"{r['events']:,}")
-        table.add_row(f"{name} state hash before replay", f"{r['stored_hash'][:16]}…")
+        # One name per hash, as `meshforge replay` prints them.
+        table.add_row(f"{name} state hash (of its events)", f"{r['state_hash'][:16]}…")
+        table.add_row(f"{name} snapshot hash, stored", f"{r['stored_hash'][:16]}…")
         same = r["snapshot_hash"] == r["stored_hash"]
-        table.add_row(f"{name} state hash after replay", f"{r['snapshot_hash'][:16]}… {'✅' if same else '❌'}")
-        table.add_row(f"{name} event log hash", f"{r['state_hash'][:16]}…")
+        table.add_row(f"{name} snapshot hash, replayed", f"{r['snapshot_hash'][:16]}… {'✅' if same else '❌'}")
     console.print(table)
     ok = lost == 0 and doubled == 0 and consistent
     console.print("[bold green]nothing lost, nothing doubled" if ok else "[bold red]exactly-once violated")

@@ -9,16 +9,24 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+from rich.text import Text
 
 from meshforge.cli.common import NatsUrl, nats_target
 
 if TYPE_CHECKING:
     from meshforge.deadletter import DeadLetter, DeadLetters
+    from meshforge.originals import Original
 
 T = TypeVar("T")
+
+#: ``dlq show`` prints at most this many bytes of a body, headers, and characters of a value.
+SHOW_BYTES = 4096
+SHOW_HEADERS = 100
+SHOW_HEADER_VALUE = 300
 
 dlq_app = typer.Typer(
     name="dlq",
@@ -73,7 +81,10 @@ def ls(
     subject: SubjectFilter = None,
     nats_url: NatsUrl = None,
 ) -> None:
-    """List dead letters, oldest first: id, original subject, reason, error, deliveries."""
+    """List dead letters, oldest first: id, original subject, reason, error, deliveries.
+
+    A reason marked "(cut)" is a truncated dead letter: `dlq show ID --original` shows it whole.
+    """
     from rich.console import Console
     from rich.table import Table
 
@@ -94,13 +105,14 @@ def ls(
     table.add_column("Error", overflow="fold", ratio=2, min_width=14)
     table.add_column("When (UTC)", no_wrap=True)
     for letter in found:
+        # Text, not markup: a header's "[" must not be read as a style.
         table.add_row(
             str(letter.seq),
-            letter.reason,
+            Text(_printable(_short(letter.reason, 20)) + (" (cut)" if letter.truncated else "")),
             "" if letter.deliveries is None else str(letter.deliveries),
-            letter.original_subject,
-            _short(letter.error, 100),
-            letter.timestamp[5:19].replace("T", " "),
+            Text(_printable(letter.original_subject)),
+            Text(_printable(_short(letter.error, 100))),
+            Text(_printable(letter.timestamp[5:19].replace("T", " "))),
         )
     console.print(table)
 
@@ -108,33 +120,111 @@ def ls(
 @dlq_app.command("show")
 def show(
     seq: Annotated[int, typer.Argument(metavar="ID", help="The dead letter's id (from dlq ls).")],
+    original: Annotated[
+        bool,
+        typer.Option(
+            "--original", help="Show the whole original of a truncated dead letter instead."
+        ),
+    ] = False,
+    max_bytes: Annotated[
+        int, typer.Option("--max-bytes", min=0, help="Print at most this many bytes of the body.")
+    ] = SHOW_BYTES,
+    body_file: Annotated[
+        Path | None,
+        typer.Option("--body-file", help="Also write the whole body, as stored, to this file."),
+    ] = None,
     nats_url: NatsUrl = None,
 ) -> None:
-    """Print one dead letter: its headers, then its body (pretty-printed when it is JSON)."""
+    """Print one dead letter: its headers, then its body (pretty-printed when it is JSON).
+
+    Any body prints: binary as escaped bytes, a long one cut at --max-bytes (saying so).
+    """
     from rich.console import Console
-    from rich.syntax import Syntax
+
+    async def work(letters: DeadLetters) -> tuple[DeadLetter, Original | None]:
+        letter = await letters.get(seq)
+        return letter, (await letters.original(letter) if original else None)
+
+    letter, whole = _run(nats_url, work)
+    console = Console()
+    if whole is None:
+        console.print(Text(f"dead letter {letter.seq} on {letter.subject}"))
+        headers, data = letter.headers, letter.data
+        if letter.truncated:
+            console.print(
+                Text(f"truncated ({letter.truncated}): `dlq show {seq} --original` shows it whole")
+            )
+    else:
+        console.print(Text(f"original of dead letter {letter.seq}, on {whole.subject}"))
+        headers, data = whole.headers, whole.data
+    console.print(_header_table(headers))
+    for line in _body_lines(data, max_bytes):
+        console.print(line)
+    if body_file is not None:
+        body_file.write_bytes(data)
+        console.print(Text(f"body written to {body_file} ({len(data)} bytes)"))
+
+
+def _header_table(headers: dict[str, str]) -> Any:
     from rich.table import Table
 
-    async def work(letters: DeadLetters) -> DeadLetter:
-        return await letters.get(seq)
-
-    letter = _run(nats_url, work)
-    console = Console()
-    console.print(f"dead letter {letter.seq} on {letter.subject}")
     table = Table(show_header=True)
     table.add_column("Header")
     table.add_column("Value", overflow="fold")
-    for name, value in letter.headers.items():
-        table.add_row(name, value)
-    console.print(table)
+    for index, (name, value) in enumerate(headers.items()):
+        if index == SHOW_HEADERS:
+            table.add_row(Text("..."), Text(f"{len(headers) - index} more headers not shown"))
+            break
+        shown = _printable(value[:SHOW_HEADER_VALUE])
+        if len(value) > SHOW_HEADER_VALUE:
+            shown += f"... ({len(value)} characters in all)"
+        table.add_row(Text(_printable(name[:SHOW_HEADER_VALUE])), Text(shown))
+    return table
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped, so no byte of a message drives the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+def _body_lines(data: bytes, max_bytes: int) -> list[Any]:
+    """What ``show`` prints of a body: a title line, then the body or its first ``max_bytes``."""
+    from rich.syntax import Syntax
+
+    size = len(data)
+    cut = size > max_bytes
+    part = data[:max_bytes]
+    text = _text_of(part, final=not cut)
+    if not cut and text is not None:
+        pretty = _pretty_json(text, max_bytes)
+        if pretty is not None:
+            return [Text("body:"), Syntax(pretty, "json", word_wrap=True)]
+    kind = "text" if text is not None else "binary"
+    title = f"body ({size} bytes, {kind}"
+    title += f"; first {len(part)} shown, --max-bytes or --body-file for all):" if cut else "):"
+    shown = _printable(text) if text is not None else repr(part)
+    return [Text(title), Text(shown)]
+
+
+def _text_of(data: bytes, *, final: bool) -> str | None:
+    """``data`` as UTF-8 text (a character cut at the end is dropped), or None for binary."""
+    import codecs
+
     try:
-        body = json.dumps(json.loads(letter.data), indent=2, ensure_ascii=False)
-    except (ValueError, UnicodeDecodeError):
-        console.print(f"body ({len(letter.data)} bytes, not JSON):")
-        console.print(repr(letter.data), markup=False)
-        return
-    console.print("body:")
-    console.print(Syntax(body, "json", word_wrap=True))
+        return codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
+    except UnicodeDecodeError:
+        return None
+
+
+def _pretty_json(text: str, max_bytes: int) -> str | None:
+    """``text`` indented when it is JSON and the result stays near ``max_bytes``; else None."""
+    try:
+        pretty = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than Python recurses
+        return None
+    return pretty if len(pretty) <= max(4 * max_bytes, 1024) else None
 
 
 @dlq_app.command("redrive")

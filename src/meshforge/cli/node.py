@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Annotated
+import logging
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from meshforge.cli.common import NatsUrl, StoreUrl, nats_target
+from meshforge.cli.common import (
+    MetricsHost,
+    MetricsPort,
+    NatsUrl,
+    NoProvision,
+    StoreUrl,
+    nats_target,
+)
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
     from meshforge.control.node import Node
 
 DEFAULT_NODE = "meshforge.demo:DemoNode"
+log = logging.getLogger("meshforge.node")
 
 
 def register(app: typer.Typer) -> None:
@@ -30,6 +39,9 @@ def node(
     presence_interval: Annotated[
         float, typer.Option(min=0.1, help="Seconds between presence announcements.")
     ] = 10.0,
+    no_provision: NoProvision = False,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = None,
     nats_url: NatsUrl = None,
 ) -> None:
     """Run a node: pull its mailbox control.cmd.SITE.NODE, run each command once, reply on
@@ -41,7 +53,15 @@ def node(
 
     validate_token(site, "site")
     validate_token(name, "node")
-    settings = load_settings({"store_url": store, "nats_url": nats_url})
+    settings = load_settings(
+        {
+            "store_url": store,
+            "nats_url": nats_url,
+            "provision": False if no_provision else None,
+            "metrics_port": metrics_port,
+            "metrics_host": metrics_host,
+        }
+    )
     configure_logging(settings.log_level, settings.log_json)
     instance = load_node(spec)
     with nats_target(settings.nats_url) as url:
@@ -53,8 +73,23 @@ async def _serve(
 ) -> None:
     from meshforge.connection import connect
     from meshforge.control.runtime import NodeRuntime
+    from meshforge.observability import Metrics, serve_http
     from meshforge.store import open_store
 
+    metrics = Metrics()
+    started: list[NodeRuntime] = []
+
+    async def health() -> dict[str, Any]:
+        return await started[0].health() if started else {"state": "connecting", "site": site, "node": name}
+
+    endpoint = None
+    if settings.metrics_port is not None:
+        # Before connecting, so a port in use fails at once; /readyz is 503 until pulling.
+        endpoint = await serve_http(
+            settings.metrics_host, settings.metrics_port, metrics, health,
+            lambda: bool(started) and started[0].is_ready(),
+        )  # fmt: skip
+        log.info("metrics on %s:%d", endpoint.host, endpoint.port)
     store = await asyncio.to_thread(open_store, settings.store_url)
     try:
         conn = await connect(settings, url=url, name=f"meshforge-node-{site}.{name}")
@@ -67,8 +102,12 @@ async def _serve(
                 store,
                 settings=settings,
                 presence_interval=presence_interval,
+                metrics=metrics,
             )
+            started.append(runtime)
             runtime.install_signal_handlers()
             await runtime.run()
     finally:
         await asyncio.to_thread(store.close)
+        if endpoint is not None:
+            await endpoint.close()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from meshforge.cli.common import HOME, NatsUrl, nats_target
+from meshforge.credentials import redact_url
 from meshforge.errors import ConfigError, MissingTopology
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from meshforge.spark.pipelines import Progress
 
 DEFAULT_STREAMS = ("MESHFORGE_EVENTS", "MESHFORGE_FAILED")
+_REDACT = r"(?i)secret|password|token|seed|access[.]?key"
 
 Master = Annotated[
     str | None,
@@ -55,7 +57,8 @@ def table_name(stream: str) -> str:
 def _session(master: str | None, conf: list[str] | None) -> SparkSession:
     from meshforge.spark.pipelines import spark_session
 
-    settings: dict[str, str] = {"spark.ui.enabled": "false"}
+    # Spark shows options in plans and logs; hide every secret option MeshForge passes
+    settings: dict[str, str] = {"spark.ui.enabled": "false", "spark.redaction.regex": _REDACT}
     for item in conf or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -70,8 +73,11 @@ def source_options(settings: Settings) -> dict[str, str]:
     """The data source's auth and TLS options from MeshForge's settings."""
     pairs = {
         "user": settings.user, "password": settings.password, "token": settings.token,
-        "creds": settings.creds_file, "tls_ca": settings.tls_ca, "tls_cert": settings.tls_cert,
-        "tls_key": settings.tls_key,
+        "creds": settings.creds_file, "nkey_seed": settings.nkey_seed,
+        "nkey_seed_file": settings.nkey_seed_file, "tls_ca": settings.tls_ca,
+        "tls_cert": settings.tls_cert, "tls_key": settings.tls_key,
+        "connect_timeout": f"{settings.connect_timeout:g}",
+        "connect_attempts": str(settings.connect_attempts),
     }  # fmt: skip
     return {k: v for k, v in pairs.items() if v is not None}
 
@@ -136,7 +142,7 @@ def ingest(
             if _stream_exists(url, name, options):
                 wanted.append(name)
             elif stream:
-                raise MissingTopology(f"stream {name!r} not found on {url}")
+                raise MissingTopology(f"stream {name!r} not found on {redact_url(url)}")
             else:
                 typer.secho(f"skipping {name}: no such stream yet", err=True, dim=True)
         spark = _session(master, conf)

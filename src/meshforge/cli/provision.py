@@ -25,13 +25,21 @@ def register(app: typer.Typer) -> None:
     app.command("provision")(provision)
 
 
-def _site_node(value: str) -> tuple[str, str]:
-    site, dot, node = value.partition(".")
-    if not dot or not site or not node or "." in node:
-        raise typer.BadParameter(
-            f"expected SITE.NODE such as lab1.node7, got {value!r}", param_hint="--node"
-        )
-    return site, node
+def _site_nodes(site: str | None, nodes: list[str]) -> list[tuple[str, str]]:
+    """``--site lab1 --node node7``: the same two words as ``meshforge node SITE NODE``."""
+    pairs = []
+    for value in nodes:
+        legacy_site, dot, legacy_node = value.partition(".")
+        if dot and site is None and legacy_site and legacy_node and "." not in legacy_node:
+            pairs.append((legacy_site, legacy_node))  # the older SITE.NODE spelling
+            continue
+        if site is None:
+            raise typer.BadParameter(
+                f"--node {value} needs its site: meshforge provision --site SITE --node {value}",
+                param_hint="--site",
+            )
+        pairs.append((site, value))
+    return pairs
 
 
 def provision(
@@ -45,10 +53,13 @@ def provision(
             "--agent", metavar="NAME", help="Also provision <NAME>_consumer (repeatable)."
         ),
     ] = None,
+    site: Annotated[
+        str | None, typer.Option("--site", metavar="SITE", help="The site of the --node names.")
+    ] = None,
     node: Annotated[
         list[str] | None,
         typer.Option(
-            "--node", metavar="SITE.NODE", help="Also provision node_<SITE>_<NODE> (repeatable)."
+            "--node", metavar="NODE", help="Also provision node_<SITE>_<NODE> (repeatable)."
         ),
     ] = None,
 ) -> None:
@@ -57,7 +68,7 @@ def provision(
     Streams whose subjects overlap another stream's, or changes JetStream cannot make in
     place (retention, storage), are refused: the plan is printed and nothing is changed.
 
-    Example: meshforge provision --agent order --agent inventory --node lab1.node7 --dry-run
+    Example: meshforge provision --agent order --agent inventory --site lab1 --node node7 --dry-run
     """
     from meshforge.config import load_settings
     from meshforge.topology import agent_consumer, default_streams, node_consumer
@@ -65,7 +76,7 @@ def provision(
     settings = load_settings({"nats_url": nats_url})
     streams = default_streams(settings)
     consumers = [agent_consumer(name, settings) for name in agent or []]
-    consumers += [node_consumer(*_site_node(value), settings) for value in node or []]
+    consumers += [node_consumer(s, n, settings) for s, n in _site_nodes(site, node or [])]
     with nats_target(settings.nats_url) as url:
         asyncio.run(_provision(url, settings, streams, consumers, dry_run))
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from meshforge.cli.common import NatsUrl, nats_target
-from meshforge.errors import MalformedMessage
+from meshforge.errors import InvalidSubject, MalformedMessage
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
@@ -44,8 +44,14 @@ def publish(
     from meshforge.config import load_settings
     from meshforge.subjects import validate_subject
 
-    validate_subject(subject)
-    env = build_envelope(subject, body, key=key, source=source)
+    try:
+        validate_subject(subject)
+    except InvalidSubject as exc:
+        raise typer.BadParameter(str(exc), param_hint="SUBJECT") from None
+    try:
+        env = build_envelope(subject, body, key=key, source=source)
+    except MalformedMessage as exc:
+        raise typer.BadParameter(str(exc), param_hint="JSON") from None
     settings = load_settings({"nats_url": nats_url})
     with nats_target(settings.nats_url) as url:
         result = asyncio.run(_publish(url, settings, subject, env))
@@ -101,15 +107,26 @@ async def _publish(url: str, settings: Settings, subject: str, env: Envelope) ->
     from meshforge.connection import connect
     from meshforge.errors import PublishError
     from meshforge.publisher import Publisher
+    from meshforge.subjects import matches
     from meshforge.topology import default_streams, ensure
 
+    streams = default_streams(settings)
+    ours = any(matches(pattern, subject) for spec in streams for pattern in spec.subjects)
     async with await connect(settings, url=url, name="meshforge-publish") as conn:
         publisher = Publisher(conn.js, settings)
         try:
             return await publisher.publish(subject, env)
         except PublishError as exc:
+            if exc.kind == "no_stream" and not ours:
+                covered = ", ".join(p for spec in streams for p in spec.subjects)
+                raise PublishError(
+                    f"no stream captures subject {subject!r}, and MeshForge's streams take only "
+                    f"{covered}: publish under one of those, or create a stream for it "
+                    "(e.g. nats stream add)",
+                    kind="no_stream",
+                ) from None
             if exc.kind != "no_stream" or not settings.provision:
                 raise
         # A fresh server has no streams yet: create the CONTRACT ones, then try once more.
-        await ensure(conn.js, default_streams(settings), [])
+        await ensure(conn.js, streams, [])
         return await publisher.publish(subject, env)

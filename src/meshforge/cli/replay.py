@@ -24,18 +24,27 @@ def replay(
         ),
     ],
     store: StoreUrl = None,
+    tenant: Annotated[
+        str | None, typer.Option(help="Replay one tenant's log only (with --namespace).")
+    ] = None,
+    namespace: Annotated[
+        str | None, typer.Option(help="The namespace of --tenant's log (default: default).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Print an agent's event count and state hash, rebuilt from its event log.
 
     The state hash is SHA-256 over a canonical encoding of the events. With MODULE:AGENT
-    the events are also folded into state and compared with the stored snapshots; a
-    mismatch exits 1.
+    the events are also folded into state and compared with the stored snapshots (the
+    snapshot hash, stored and replayed); a mismatch exits 1. Every tenant's and
+    namespace's log is replayed unless --tenant (and --namespace) name one; when several
+    are replayed, resources outside the default scope show as ``tenant/namespace/id``.
     """
     from meshforge.config import load_settings
     from meshforge.runtime.agent import Agent
     from meshforge.runtime.replay import replay as run_replay
     from meshforge.runtime.worker import import_from_cwd, load_agent
+    from meshforge.scope import Scope
     from meshforge.store import open_store
     from meshforge.subjects import validate_token
 
@@ -43,9 +52,15 @@ def replay(
     instance: Agent[object] | None = load_agent(agent) if ":" in agent else None
     name = instance.name if instance is not None else validate_token(agent, "agent name")
     settings = load_settings({"store_url": store})
+    scope = None
+    if tenant is not None or namespace is not None:
+        scope = Scope(
+            validate_token(tenant or "default", "tenant"),
+            validate_token(namespace or "default", "namespace"),
+        )
     opened = open_store(settings.store_url)
     try:
-        result = run_replay(opened, name, instance)
+        result = run_replay(opened, name, instance, scope=scope)
     finally:
         opened.close()
     if as_json:
@@ -63,6 +78,8 @@ def replay(
         typer.echo(f"agent {result.agent}: {result.events} events over {result.resources} resources")
         typer.echo(f"state hash: sha256:{result.state_hash}")
         if instance is not None:
+            typer.echo(f"snapshot hash, stored: sha256:{result.stored_hash}")
+            typer.echo(f"snapshot hash, replayed: sha256:{result.snapshot_hash}")
             if result.consistent:
                 typer.echo(f"snapshots: {result.resources} rebuilt from events, all equal to the stored state")
             else:

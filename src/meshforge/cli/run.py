@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from meshforge.cli.common import NatsUrl, StoreUrl, nats_target
+from meshforge.cli.common import (
+    MetricsHost,
+    MetricsPort,
+    NatsUrl,
+    NoProvision,
+    StoreUrl,
+    nats_target,
+)
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
@@ -24,15 +31,24 @@ def run(
         typer.Argument(metavar="MODULE:AGENT...", help="Agents to run, e.g. meshforge.demo:OrderAgent."),
     ],
     store: StoreUrl = None,
-    no_provision: Annotated[
-        bool,
-        typer.Option("--no-provision", help="Use existing streams and consumers; fail if missing."),
-    ] = False,
-    metrics_port: Annotated[
-        int | None,
-        typer.Option("--metrics-port", min=0, max=65535, help="Serve /healthz /readyz /metrics here."),
-    ] = None,
+    no_provision: NoProvision = False,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = None,
     nats_url: NatsUrl = None,
+    push: Annotated[
+        bool, typer.Option("--push", help="Take commands from push consumers (needs --deliver-group).")
+    ] = False,
+    deliver_group: Annotated[
+        str | None,
+        typer.Option(
+            "--deliver-group",
+            metavar="NAME",
+            help="With --push: workers of one group share each agent's commands.",
+        ),
+    ] = None,
+    relay: Annotated[
+        bool, typer.Option("--relay", help="Also publish the store's outbox (as `meshforge relay`).")
+    ] = False,
 ) -> None:
     """Run one or more agents until SIGINT/SIGTERM.
 
@@ -49,18 +65,58 @@ def run(
             "nats_url": nats_url,
             "provision": False if no_provision else None,
             "metrics_port": metrics_port,
+            "metrics_host": metrics_host,
         }
     )
+    if push != (deliver_group is not None):
+        raise typer.BadParameter("--push and --deliver-group NAME go together", param_hint="--push")
+    if deliver_group is not None:
+        from meshforge.errors import InvalidSubject
+        from meshforge.subjects import validate_token
+
+        try:
+            validate_token(deliver_group, "deliver group")
+        except InvalidSubject as exc:
+            raise typer.BadParameter(str(exc), param_hint="--deliver-group") from None
     configure_logging(settings.log_level, settings.log_json)
     import_from_cwd()
     instances = [load_agent(spec) for spec in agents]
     with nats_target(settings.nats_url) as url:
-        asyncio.run(_serve(instances, dataclasses.replace(settings, nats_url=url)))
+        target = dataclasses.replace(settings, nats_url=url)
+        asyncio.run(_serve(instances, target, deliver_group=deliver_group, relay=relay))
 
 
-async def _serve(agents: list[Any], settings: Settings) -> None:
+async def _serve(agents: list[Any], settings: Settings, *, deliver_group: str | None, relay: bool) -> None:
     from meshforge.runtime.worker import Worker
 
-    worker = Worker(agents, settings)
-    worker.install_signal_handlers()
-    await worker.run()
+    store = None
+    if relay:
+        from meshforge.store import open_store
+
+        # One store for the agents and the relay beside them.
+        store = await asyncio.to_thread(open_store, settings.store_url)
+    try:
+        worker = Worker(agents, settings, store=store, deliver_group=deliver_group)
+        worker.install_signal_handlers()
+        if store is None:
+            await worker.run()
+            return
+        from meshforge.cli.relay import run_relay
+
+        stop = asyncio.Event()
+
+        async def relay_then_stop() -> None:
+            try:
+                await run_relay(store, settings, stop, metrics=worker.metrics)
+            finally:  # a relay that fails stops the agents too: the process exits with its error
+                await worker.stop()
+
+        relaying = asyncio.create_task(relay_then_stop())
+        try:
+            await worker.run()
+        finally:
+            stop.set()
+            await relaying
+    finally:
+        if store is not None:
+            await asyncio.to_thread(store.close)

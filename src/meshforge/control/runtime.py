@@ -38,10 +38,12 @@ from meshforge.control.client import node_durable
 from meshforge.control.node import CommandContext, Node
 from meshforge.control.presence import Presence
 from meshforge.control.reply import Status, reply_envelope
+from meshforge.deadletter import REASONS
 from meshforge.envelope import Envelope, decode
 from meshforge.errors import Expired, MalformedMessage, Rejected, Retry, Unrecoverable, one_line
 from meshforge.faults import crash_point
 from meshforge.observability import Metrics
+from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
 from meshforge.publisher import Publisher
 from meshforge.retention import cleanup_loop
 from meshforge.store.base import Store, Transaction
@@ -90,6 +92,7 @@ class NodeRuntime:
         metrics: Metrics | None = None,
         publisher: Publisher | None = None,
         cleanup_interval: float = 3600.0,
+        probe_interval: float = DEFAULT_PROBE_INTERVAL,
     ) -> None:
         self.node = node
         self.site = site
@@ -113,7 +116,9 @@ class NodeRuntime:
         )
         self.epoch = 0
         self.cleanup_interval = cleanup_interval
+        self.probe_interval = probe_interval
         self.ready = asyncio.Event()
+        self.metrics.track(self.is_ready, lambda: self.conn.current_state() == "connected")
         self._consumer: Consumer | None = None
         self._stopping = False
 
@@ -123,7 +128,7 @@ class NodeRuntime:
         """Count this start in the epoch, announce, then answer commands until ``stop()``."""
         if self.settings.provision:
             await ensure(self.conn.js, default_streams(self.settings), [self.spec])
-        self.epoch = await self._tx(lambda tx: tx.node_epoch_bump(self.site, self.name))
+        self._set_epoch(await self._tx(lambda tx: tx.node_epoch_bump(self.site, self.name)))
         log.info("node %s.%s starting at epoch %d", self.site, self.name, self.epoch)
         await self.node.on_start(self.site, self.name, self.epoch)
         await self.presence.announce(self.epoch)
@@ -147,11 +152,14 @@ class NodeRuntime:
                 self.settings.reply_retention, interval=self.cleanup_interval,
             )
         )  # fmt: skip
+        self.metrics.prepare_consumer(self.durable, REASONS)
+        probes = Probes(self.conn.js, self.metrics, [(self.spec.stream, self.durable)], store=self.store)
+        probing = asyncio.create_task(probes.run(self.probe_interval))
         try:
             if not self._stopping:
                 await consumer.run()
         finally:
-            for task in (waiter, cleanup):
+            for task in (waiter, cleanup, probing):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -171,8 +179,22 @@ class NodeRuntime:
             )
             return self.epoch
         if stored is not None:
-            self.epoch = stored
+            self._set_epoch(stored)
         return self.epoch
+
+    def _set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.metrics.node_epoch.labels(site=self.site, node=self.name).set(epoch)
+
+    def is_ready(self) -> bool:
+        """Pulling its mailbox and connected: what /readyz answers (503 while NATS is away)."""
+        return self.ready.is_set() and self.conn.current_state() == "connected"
+
+    async def health(self) -> dict[str, Any]:
+        """The connection's health report plus the node's site, name and epoch."""
+        report = await self.conn.health()
+        report.update(site=self.site, node=self.name, epoch=self.epoch)
+        return report
 
     async def _mark_ready(self, consumer: Consumer) -> None:
         await consumer.ready.wait()
@@ -208,7 +230,8 @@ class NodeRuntime:
         if stored is not None:
             return await self._resend(stored, env)
         # HA instances share the store: the current epoch is the store's, not this process's.
-        self.epoch = current = epoch if epoch is not None else self.epoch
+        current = epoch if epoch is not None else self.epoch
+        self._set_epoch(current)
         now = datetime.now(UTC)
         if env.deadline_ts and _parse_ts(env.deadline_ts) <= now:
             error = f"deadline {env.deadline_ts} passed before the command ran"
@@ -257,6 +280,7 @@ class NodeRuntime:
                 env, "error", None, error, dead_letter="max_deliveries", begun=True
             )
         ctx = CommandContext(site=self.site, node=self.name, epoch=epoch, envelope=env)
+        self.metrics.node_commands.labels(site=self.site, node=self.name, command=env.type).inc()
         try:
             result = await handler(dict(env.payload), ctx)
             _ENCODER.encode(result)
@@ -334,6 +358,7 @@ class NodeRuntime:
         crash_point("after_commit")
         reply, reason = _unpack(packed)
         await self.publisher.publish(self.reply_subject, reply)
+        self._count_reply(reply)
         crash_point("after_publish")
         epoch = reply.payload.get("node_epoch")
         log.info(
@@ -344,7 +369,7 @@ class NodeRuntime:
             epoch,
         )
         if fresh and restart and isinstance(epoch, int):
-            self.epoch = epoch
+            self._set_epoch(epoch)
             await self.presence.announce(epoch, started_at=reply.ts)
         if reason is not None:
             return Decision.dead_letter(reason, reply.payload.get("error") or reason)
@@ -355,6 +380,11 @@ class NodeRuntime:
         self.metrics.duplicates_skipped.labels(consumer=self.durable).inc()
         log.info("command %s (%s) already answered; sending its reply again", env.id, env.type)
         await self.publisher.publish(self.reply_subject, reply)
+        self._count_reply(reply)
         if reason is not None:
             return Decision.dead_letter(reason, reply.payload.get("error") or reason)
         return Decision.ack()
+
+    def _count_reply(self, reply: Envelope) -> None:
+        status = str(reply.payload.get("status"))
+        self.metrics.node_replies.labels(site=self.site, node=self.name, status=status).inc()

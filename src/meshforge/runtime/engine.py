@@ -52,6 +52,7 @@ from meshforge.publisher import Publisher
 from meshforge.runtime.agent import Agent, CommandSpec, Event, Output
 from meshforge.runtime.outputs import build_outputs, decode_payload, event_name
 from meshforge.runtime.stage import PublishStage
+from meshforge.scope import Scope, command_scope
 from meshforge.store.base import NewEvent, Store, StoredOutput, Transaction
 
 __all__ = ["Engine", "consumer_name"]
@@ -84,14 +85,15 @@ class _Work:
     env: Envelope
     spec: CommandSpec
     resource: str
-    slot: int = 0  # its place among its handle() call's deliveries
+    scope: Scope  # the subject's tenant and namespace: the key of everything stored for it
+    position: int = 0  # its place among its handle() call's deliveries
     owner: list[Decision | None] = field(default_factory=list)  # that call's decisions
     outputs: list[StoredOutput] = field(default_factory=list)
     events: list[NewEvent] = field(default_factory=list)
     fresh: bool = False  # ran its handler in this batch (not a stored effect)
 
     def decide(self, decision: Decision) -> None:
-        self.owner[self.slot] = decision
+        self.owner[self.position] = decision
 
 
 @dataclass(slots=True)
@@ -111,7 +113,7 @@ class _Plan:
     decisions: dict[int, Decision] = field(default_factory=dict)
     done: list[_Work] = field(default_factory=list)
     duplicates: int = 0
-    states: dict[str, Any] = field(default_factory=dict)
+    states: dict[tuple[Scope, str], Any] = field(default_factory=dict)
 
 
 class _Conflict(Exception):
@@ -147,7 +149,7 @@ class Engine(Generic[S]):
         self._commit = asyncio.Lock()
         self._queue: deque[_Batch] = deque()
         self._stage = PublishStage(self.consumer, publisher)
-        self._marks: list[str] = []  # keys whose outputs went out, noted in the next commit
+        self._marks: list[tuple[Scope, str]] = []  # keys whose outputs went out: next commit notes them
         self._commits = 0
         self._flusher: asyncio.Task[None] | None = None
         self._closed = False
@@ -220,7 +222,7 @@ class Engine(Generic[S]):
         ]
 
         def sent() -> None:
-            self._marks += [w.env.key for w in done if w.fresh]
+            self._marks += [(w.scope, w.env.key) for w in done if w.fresh]
             self._schedule_flush()
 
         def failed() -> None:
@@ -245,7 +247,8 @@ class Engine(Generic[S]):
             resource = self.agent.resource_key(env, spec)
         except Exception as exc:
             return self._failure(delivery, exc)
-        return _Work(index, delivery, env, spec, resource, slot=index)
+        scope = command_scope(delivery.subject, env.tenant_id)
+        return _Work(index, delivery, env, spec, resource, scope, position=index)
 
     def _command_of(self, env: Envelope, subject: str) -> str | None:
         prefix = self.agent.name + "."
@@ -291,12 +294,12 @@ class Engine(Generic[S]):
         mid = len(works) // 2
         plan = await self._attempt(works[:mid])
         # A resource whose earlier command waits must not run its later ones first.
-        held = {w.resource: d.delay for w in works[:mid]
+        held = {(w.scope, w.resource): d.delay for w in works[:mid]
                 if (d := plan.decisions.get(w.index)) is not None and d.action is Action.NAK}  # fmt: skip
         rest: list[_Work] = []
         for work in works[mid:]:
-            if work.resource in held:
-                plan.decisions[work.index] = Decision.nak(held[work.resource])
+            if (work.scope, work.resource) in held:
+                plan.decisions[work.index] = Decision.nak(held[(work.scope, work.resource)])
             else:
                 rest.append(work)
         if rest:
@@ -343,7 +346,7 @@ class Engine(Generic[S]):
         crash_point("after_commit")
         return plan
 
-    def _keep_marks(self, marks: list[str], exc: BaseException) -> None:
+    def _keep_marks(self, marks: list[tuple[Scope, str]], exc: BaseException) -> None:
         # Only an audit aid: kept for the next try unless they may be what failed.
         if isinstance(exc, _Conflict) or (isinstance(exc, StoreError) and exc.retriable):
             self._marks = marks + self._marks
@@ -353,19 +356,20 @@ class Engine(Generic[S]):
     async def _process(
         self,
         works: list[_Work],
-        raw: dict[str, bytes | None],
-        stored: dict[str, list[StoredOutput] | None],
+        raw: dict[tuple[Scope, str], bytes | None],
+        stored: dict[tuple[Scope, str], list[StoredOutput] | None],
     ) -> _Plan:
         agent = self.agent
         plan = _Plan()
         plan.states = states = {r: self._decode(data) for r, data in raw.items()}
-        blocked: dict[str, float | None] = {}  # resource -> delay of its transient failure
+        blocked: dict[tuple[Scope, str], float | None] = {}  # resource -> delay of its failure
         for work in works:
             d = work.delivery
-            if work.resource in blocked:
-                plan.decisions[work.index] = Decision.nak(blocked[work.resource])
+            slot = (work.scope, work.resource)
+            if slot in blocked:
+                plan.decisions[work.index] = Decision.nak(blocked[slot])
                 continue
-            previous = stored.get(work.env.key)
+            previous = stored.get((work.scope, work.env.key))
             if previous is not None:
                 work.outputs = previous
                 plan.done.append(work)
@@ -373,34 +377,32 @@ class Engine(Generic[S]):
                 continue
             try:
                 async with asyncio.timeout(self.handler_timeout):
-                    outputs: list[Output] = await agent.handle(
-                        work.spec, work.env, states[work.resource]
-                    )
+                    outputs: list[Output] = await agent.handle(work.spec, work.env, states[slot])
                 new_state, work.outputs, work.events = build_outputs(
-                    agent, work.env, work.resource, d.subject, outputs, states[work.resource]
+                    agent, work.env, work.resource, d.subject, outputs, states[slot]
                 )
             except Exception as exc:
                 # The handler may have changed the state in place: rebuild it.
-                states[work.resource] = self._rebuild(work.resource, raw[work.resource], plan)
+                states[slot] = self._rebuild(slot, raw[slot], plan)
                 decision = self._failure(d, exc)
                 plan.decisions[work.index] = decision
                 if decision.action is Action.NAK:
-                    blocked[work.resource] = decision.delay
+                    blocked[slot] = decision.delay
                 continue
-            states[work.resource] = new_state
+            states[slot] = new_state
             work.fresh = True
-            stored[work.env.key] = work.outputs  # a duplicate later in the batch re-publishes
+            stored[(work.scope, work.env.key)] = work.outputs  # a later duplicate re-publishes
             plan.done.append(work)
         return plan
 
     def _decode(self, data: bytes | None) -> S:
         return self.agent.initial() if data is None else self.agent.decode_state(data)
 
-    def _rebuild(self, resource: str, data: bytes | None, plan: _Plan) -> S:
+    def _rebuild(self, slot: tuple[Scope, str], data: bytes | None, plan: _Plan) -> S:
         """The resource's state as of the batch start plus the events this batch made."""
         state = self._decode(data)
         for work in plan.done:
-            if work.fresh and work.resource == resource:
+            if work.fresh and (work.scope, work.resource) == slot:
                 for event in work.events:
                     name = event_name(self.agent.name, event.type)
                     state = self.agent.apply(state, Event(name, decode_payload(event.data)))
@@ -410,8 +412,8 @@ class Engine(Generic[S]):
 
     def _open(
         self, works: list[_Work]
-    ) -> tuple[AbstractContextManager[Transaction], Transaction, dict[str, bytes | None],
-               dict[str, list[StoredOutput] | None]]:  # fmt: skip
+    ) -> tuple[AbstractContextManager[Transaction], Transaction, dict[tuple[Scope, str], bytes | None],
+               dict[tuple[Scope, str], list[StoredOutput] | None]]:  # fmt: skip
         """BEGIN, lock and read the resources, read the stored effects."""
         cm = self.store.transaction()
         tx = cm.__enter__()
@@ -422,7 +424,11 @@ class Engine(Generic[S]):
             raise
 
     def _finish(
-        self, cm: AbstractContextManager[Transaction], tx: Transaction, plan: _Plan, marks: list[str]
+        self,
+        cm: AbstractContextManager[Transaction],
+        tx: Transaction,
+        plan: _Plan,
+        marks: list[tuple[Scope, str]],
     ) -> None:
         """Write the group's effects and COMMIT (or roll back and raise)."""
         try:
@@ -439,32 +445,43 @@ class Engine(Generic[S]):
             if err is not exc:
                 log.debug("%s: rollback after an error also failed: %s", self.consumer, err)
 
-    def _load(self, tx: Transaction, works: list[_Work]) -> dict[str, bytes | None]:
+    def _load(self, tx: Transaction, works: list[_Work]) -> dict[tuple[Scope, str], bytes | None]:
         # Sorted: two workers locking the same resources take them in the same order.
-        return {r: tx.state_get(self.agent.name, r) for r in sorted({w.resource for w in works})}
+        name = self.agent.name
+        slots = sorted({(w.scope, w.resource) for w in works})
+        return {(s, r): tx.state_get(name, r, scope=s) for s, r in slots}
 
-    def _effects(self, tx: Transaction, works: list[_Work]) -> dict[str, list[StoredOutput] | None]:
-        return {key: tx.effect_get(self.consumer, key) for key in {w.env.key for w in works}}
+    def _effects(
+        self, tx: Transaction, works: list[_Work]
+    ) -> dict[tuple[Scope, str], list[StoredOutput] | None]:
+        keys = {(w.scope, w.env.key) for w in works}
+        return {(s, k): tx.effect_get(self.consumer, k, scope=s) for s, k in keys}
 
-    def _store_effects(self, tx: Transaction, plan: _Plan, marks: list[str]) -> None:
+    def _store_effects(self, tx: Transaction, plan: _Plan, marks: list[tuple[Scope, str]]) -> None:
         fresh = [w for w in plan.done if w.fresh]
-        events = [e for w in fresh for e in w.events]
-        positions = tx.events_append(self.agent.name, events) if events else []
-        last: dict[str, int] = {}
-        for event, position in zip(events, positions, strict=True):
-            last[event.resource_id or ""] = position
+        by_scope: dict[Scope, list[NewEvent]] = {}
+        for w in fresh:
+            by_scope.setdefault(w.scope, []).extend(w.events)
+        last: dict[tuple[Scope, str], int] = {}
+        for scope, events in sorted(by_scope.items()):
+            if not events:
+                continue
+            positions = tx.events_append(self.agent.name, events, scope=scope)
+            for event, position in zip(events, positions, strict=True):
+                last[(scope, event.resource_id or "")] = position
         states = plan.states
-        for resource, position in sorted(last.items()):
-            tx.state_put(self.agent.name, resource, self.agent.encode_state(states[resource]), position)
+        for (scope, resource), position in sorted(last.items()):
+            data = self.agent.encode_state(states[(scope, resource)])
+            tx.state_put(self.agent.name, resource, data, position, scope=scope)
         for work in fresh:
             try:
-                tx.effect_put(self.consumer, work.env.key, work.env.id, work.outputs)
+                tx.effect_put(self.consumer, work.env.key, work.env.id, work.outputs, scope=work.scope)
             except StoreError as exc:
                 if exc.kind == "duplicate":
                     raise _Conflict() from exc
                 raise
-        for key in marks:
-            tx.effect_mark_published(self.consumer, key)
+        for scope, key in marks:
+            tx.effect_mark_published(self.consumer, key, scope=scope)
 
     # ------------------------------------------------------------------ published marks
 
@@ -492,10 +509,10 @@ class Engine(Generic[S]):
             if self._marks:
                 self._schedule_flush()
 
-    def _mark_published(self, keys: list[str]) -> None:
+    def _mark_published(self, keys: list[tuple[Scope, str]]) -> None:
         with self.store.transaction() as tx:
-            for key in keys:
-                tx.effect_mark_published(self.consumer, key)
+            for scope, key in keys:
+                tx.effect_mark_published(self.consumer, key, scope=scope)
 
     # ------------------------------------------------------------------ failures
 

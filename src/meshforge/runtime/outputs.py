@@ -21,6 +21,7 @@ import msgspec
 
 from meshforge.envelope import Envelope, Outbound
 from meshforge.runtime.agent import Agent, Event, Output, Send
+from meshforge.scope import command_scope
 from meshforge.store.base import NewEvent, StoredOutput
 from meshforge.subjects import command_subject, event_subject
 
@@ -47,10 +48,8 @@ def decode_payload(data: bytes) -> dict[str, Any]:
 
 def scope_of(subject: str, env: Envelope) -> tuple[str, str]:
     """``(tenant, namespace)`` of a command from its ``cmd.<tenant>.<ns>.<agent>.<cmd>`` subject."""
-    tokens = subject.split(".")
-    if len(tokens) == 5 and tokens[0] == "cmd":
-        return tokens[1], tokens[2]
-    return env.tenant_id, "default"
+    scope = command_scope(subject, env.tenant_id)
+    return scope.tenant, scope.namespace
 
 
 def event_name(agent: str, type_: str) -> str:
@@ -67,7 +66,10 @@ def build_outputs(
     outputs: Sequence[Output],
     state: S,
 ) -> tuple[S, list[StoredOutput], list[NewEvent]]:
-    """The new state, the messages to store and publish, and the events to append."""
+    """The new state, the messages to store and publish, and the events to append.
+
+    Every output carries the subject's tenant (a ``Send`` may name another on purpose).
+    """
     tenant, namespace = scope_of(subject, cmd)
     stored: list[StoredOutput] = []
     events: list[NewEvent] = []
@@ -78,6 +80,7 @@ def build_outputs(
             child = cmd.child(
                 f"{agent.name}.{out.name}", payload, position,
                 source=agent.name, resource_type=agent.name, resource_id=resource,
+                tenant_id=tenant,
             )  # fmt: skip
             new_event = NewEvent(
                 event_id=child.id, type=child.type, resource_id=resource,
@@ -92,7 +95,7 @@ def build_outputs(
             child = cmd.child(
                 f"{out.agent}.{out.command}", payload, position,
                 source=agent.name, resource_type=out.agent, resource_id=out.resource_id,
-                tenant_id=out.tenant or cmd.tenant_id,
+                tenant_id=out.tenant or tenant,
             )  # fmt: skip
         else:  # pragma: no cover - Agent.handle already checked the types
             raise TypeError(f"not an output: {out!r}")

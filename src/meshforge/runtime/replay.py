@@ -2,7 +2,11 @@
 
 The state hash is SHA-256 over a canonical encoding of the agent's events: each event
 is the sorted-keys JSON of ``[event_id, type, resource_id, data]``; a resource's events
-are hashed in log order, then the per-resource digests in resource order. So the hash
+are hashed in log order, then the per-resource digests in resource order. Each (tenant,
+namespace) has its own log. Replaying one log (or an agent that has only one) names
+resources by their id, exactly as before logs were scoped; replaying several names each
+resource outside the default scope ``tenant/namespace/id`` (in the hash and in
+``states``), so two tenants' ``o-1`` are two resources. So the hash
 depends only on what happened to each resource and in which order, never on how
 commands of different resources interleaved, how often they were delivered, where
 workers crashed or how batches were cut.
@@ -12,7 +16,8 @@ states) is compared with ``stored_hash`` (the same over the snapshots the store 
 
 Example::
 
-    result = replay(store, "order", OrderAgent())
+    result = replay(store, "order", OrderAgent())                  # every tenant's log
+    one = replay(store, "order", OrderAgent(), scope=Scope("acme", "shop"))
     print(result.events, result.state_hash, result.mismatched)
 """
 
@@ -27,9 +32,10 @@ import msgspec
 
 from meshforge.runtime.agent import Agent, Event
 from meshforge.runtime.outputs import event_name
+from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store.base import Store, StoredEvent
 
-__all__ = ["ReplayResult", "StateHasher", "canonical", "replay", "state_hash"]
+__all__ = ["ReplayResult", "StateHasher", "canonical", "label", "replay", "state_hash"]
 
 _CANONICAL = msgspec.json.Encoder(order="sorted")
 _DECODER = msgspec.json.Decoder()
@@ -44,15 +50,27 @@ def canonical(data: bytes) -> Any:
         return {"$hex": bytes(data).hex()}
 
 
-class StateHasher:
-    """Accumulates events (each resource's in log order) into the state hash."""
+def label(scope: Scope, resource: str, *, named: bool = True) -> str:
+    """How a resource is shown: ``tenant/namespace/id`` when ``named`` and outside the
+    default scope, else its id."""
+    if not named or scope == DEFAULT_SCOPE:
+        return resource
+    return f"{scope.tenant}/{scope.namespace}/{resource}"
 
-    def __init__(self) -> None:
-        self._per_resource: dict[str, Any] = {}
+
+class StateHasher:
+    """Accumulates events (each resource's in log order) into the state hash; ``named``
+    keys resources by their scope too (for several logs at once)."""
+
+    def __init__(self, *, named: bool = False) -> None:
+        self._per_resource: dict[tuple[str, ...], Any] = {}
+        self._named = named
         self.events = 0
 
     def add(self, event: StoredEvent) -> None:
-        resource = event.resource_id or ""
+        scope, resource_id = event.scope, event.resource_id or ""
+        named = self._named and scope != DEFAULT_SCOPE
+        resource = (scope.tenant, scope.namespace, resource_id) if named else (resource_id,)
         digest = self._per_resource.get(resource)
         if digest is None:
             digest = self._per_resource[resource] = hashlib.sha256()
@@ -67,13 +85,14 @@ class StateHasher:
     def hexdigest(self) -> str:
         total = hashlib.sha256()
         for resource in sorted(self._per_resource):
-            total.update(_CANONICAL.encode([resource, self._per_resource[resource].hexdigest()]) + b"\n")
+            record = [*resource, self._per_resource[resource].hexdigest()]
+            total.update(_CANONICAL.encode(record) + b"\n")
         return total.hexdigest()
 
 
-def state_hash(events: Iterable[StoredEvent]) -> str:
-    """The state hash of events given in log order."""
-    hasher = StateHasher()
+def state_hash(events: Iterable[StoredEvent], *, named: bool = False) -> str:
+    """The state hash of events given in log order (see ``StateHasher`` for ``named``)."""
+    hasher = StateHasher(named=named)
     for event in events:
         hasher.add(event)
     return hasher.hexdigest()
@@ -105,24 +124,33 @@ def _snapshot_digest(states: dict[str, bytes]) -> str:
     return total.hexdigest()
 
 
-def replay(store: Store, agent_name: str, agent: Agent[Any] | None = None) -> ReplayResult:
-    """Read the agent's events in order; hash them and, given the agent, fold them into
-    states and compare each with the snapshot the store holds (blocking; use a thread)."""
-    hasher = StateHasher()
+def replay(
+    store: Store, agent_name: str, agent: Agent[Any] | None = None, *, scope: Scope | None = None
+) -> ReplayResult:
+    """Read the agent's events in order (of one scope, or of every scope's log); hash them
+    and, given the agent, fold them into states and compare each with the snapshot the
+    store holds (blocking; use a thread). States are keyed by ``label(scope, resource)``."""
+    scopes = [scope] if scope is not None else [s for s, _ in store.logs(agent_name)]
+    named = len(scopes) > 1
+    hasher = StateHasher(named=named)
     states: dict[str, Any] = {}
-    for event in store.events_read(agent_name):
-        hasher.add(event)
-        if agent is not None:
-            resource = event.resource_id or ""
-            state = states[resource] if resource in states else agent.initial()
-            payload = canonical(event.data)
-            states[resource] = agent.apply(
-                state, Event(event_name(agent_name, event.type), payload if isinstance(payload, dict) else {})
-            )
+    where: dict[str, tuple[Scope, str]] = {}
+    for log_scope in scopes:
+        for event in store.events_read(agent_name, scope=log_scope):
+            hasher.add(event)
+            if agent is not None:
+                resource = event.resource_id or ""
+                key = label(log_scope, resource, named=named)
+                where[key] = (log_scope, resource)
+                state = states[key] if key in states else agent.initial()
+                payload = canonical(event.data)
+                states[key] = agent.apply(
+                    state, Event(event_name(agent_name, event.type), payload if isinstance(payload, dict) else {})
+                )
     if agent is None:
         return ReplayResult(agent_name, hasher.events, hasher.resources, hasher.hexdigest())
-    rebuilt = {resource: agent.encode_state(state) for resource, state in states.items()}
-    stored = _snapshots(store, agent_name, sorted(rebuilt))
+    rebuilt = {key: agent.encode_state(state) for key, state in states.items()}
+    stored = _snapshots(store, agent_name, {k: where[k] for k in sorted(rebuilt)})
     mismatched = tuple(
         r for r in sorted(rebuilt)
         if stored.get(r) is None or canonical(stored[r]) != canonical(rebuilt[r])
@@ -139,12 +167,16 @@ def replay(store: Store, agent_name: str, agent: Agent[Any] | None = None) -> Re
     )
 
 
-def _snapshots(store: Store, agent_name: str, resources: list[str]) -> dict[str, bytes]:
+def _snapshots(
+    store: Store, agent_name: str, resources: dict[str, tuple[Scope, str]]
+) -> dict[str, bytes]:
     found: dict[str, bytes] = {}
-    for start in range(0, len(resources), _SNAPSHOT_CHUNK):
+    keys = list(resources)
+    for start in range(0, len(keys), _SNAPSHOT_CHUNK):
         with store.transaction() as tx:
-            for resource in resources[start : start + _SNAPSHOT_CHUNK]:
-                data = tx.state_get(agent_name, resource)
+            for key in keys[start : start + _SNAPSHOT_CHUNK]:
+                scope, resource = resources[key]
+                data = tx.state_get(agent_name, resource, scope=scope)
                 if data is not None:
-                    found[resource] = data
+                    found[key] = data
     return found

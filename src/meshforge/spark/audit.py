@@ -113,6 +113,10 @@ def _dead_letter_ids(failed: DataFrame) -> DataFrame:
     return failed.select(F.explode(ids).alias("dead_id")).distinct()
 
 
+# An effect is found by its scope, consumer and idempotency key.
+_EFFECT_KEY = ("tenant", "namespace", "consumer", "key")
+
+
 def _missing_effects(
     events: DataFrame, failed: DataFrame | None, store: StoreTables | None, commands: DataFrame | None
 ) -> tuple[int | None, int, list[dict[str, Any]]]:
@@ -122,21 +126,25 @@ def _missing_effects(
     if store is not None:
         inbox = store.inbox.where(F.coalesce(F.col("subject"), F.lit("cmd.")).startswith("cmd."))
         frames.append(
-            inbox.join(store.effects.select("consumer", "key"), ["consumer", "key"], "left_anti").select(
+            inbox.join(store.effects.select(*_EFFECT_KEY), list(_EFFECT_KEY), "left_anti").select(
                 F.coalesce("message_id", "key").alias("command_id"), "key", "type", "subject", "consumer", "status", "deliveries"
             )
         )
         known = inbox.select(F.coalesce("message_id", "key").alias("command_id"))
     if commands is not None:
+        tokens = F.split(F.col("subject"), r"\.")
         cmd = commands.select(
             F.col("id").alias("command_id"), F.coalesce("idempotency_key", "id").alias("key"), "type", "subject",
             F.lit(None).cast("string").alias("consumer"), F.lit(None).cast("string").alias("status"),
             F.lit(None).cast("int").alias("deliveries"),
+            # The subject's tenant and namespace: another tenant's effect never covers it.
+            tokens.getItem(1).alias("tenant"), tokens.getItem(2).alias("namespace"),
         )  # fmt: skip
         listed = commands.select(F.col("id").alias("command_id"))
         if store is not None:
-            cmd = cmd.join(store.effects.select("command_id"), "command_id", "left_anti")
-            cmd = cmd.join(store.effects.select("key"), "key", "left_anti")
+            scoped = ["tenant", "namespace"]
+            cmd = cmd.join(store.effects.select(*scoped, "command_id"), [*scoped, "command_id"], "left_anti")
+            cmd = cmd.join(store.effects.select(*scoped, "key"), [*scoped, "key"], "left_anti")
             known = known.unionByName(listed)
         else:
             known = listed

@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import json
 import os
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from meshforge.connection import ssl_context
+from meshforge.config import parse_duration
+from meshforge.connect_retry import attempt_connect, close_bounded, retry_connect
+from meshforge.credentials import NatsAuth, nats_auth_options, redact_url
 from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology, one_line
 
 __all__ = ["ConnOptions", "JetStreamApiError", "StreamInfo", "SyncNats", "lower_keys"]
@@ -51,71 +51,91 @@ def lower_keys(options: Mapping[str, str]) -> dict[str, str]:
     return {str(k).lower(): v for k, v in options.items()}
 
 
+def _number(options: Mapping[str, str], name: str, default: str, cast: type[float] | type[int]) -> Any:
+    """A positive option value; durations such as ``"2s"`` too, as the settings take them."""
+    raw = options.get(name) or os.environ.get(f"MESHFORGE_{name.upper()}") or default
+    try:
+        value = parse_duration(raw) if cast is float else int(raw)
+    except (ConfigError, ValueError):
+        value = 0
+    if value <= 0:
+        kind = "a duration > 0 such as 5 or '2s'" if cast is float else "an integer >= 1"
+        raise ConfigError(f"jetstream: option '{name}' must be {kind}, got {raw!r}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ConnOptions:
-    """How to reach NATS: the data source's connection options, picklable."""
+    """How to reach NATS: the data source's connection options, picklable; secrets kept out of repr."""
 
     servers: tuple[str, ...]
     user: str | None = None
-    password: str | None = None
-    token: str | None = None
+    password: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
     creds: str | None = None
+    nkey_seed: str | None = field(default=None, repr=False)
+    nkey_seed_file: str | None = None
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     connect_timeout: float = 5.0
+    connect_attempts: int = 3
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> ConnOptions:
-        """Read ``servers`` (comma separated), auth and TLS options; env as fallback."""
+        """Read ``servers`` (comma separated), auth, TLS and retry options; env as fallback."""
         options = lower_keys(options)
         raw = options.get("servers") or os.environ.get("MESHFORGE_NATS_URL")
         if not raw:
             raise ConfigError("jetstream: option 'servers' is required (e.g. nats://127.0.0.1:4222)")
         servers = tuple(s.strip() for s in str(raw).split(",") if s.strip())
-        try:
-            timeout = float(options.get("connect_timeout", "5"))
-        except ValueError:
-            raise ConfigError(
-                f"jetstream: option 'connect_timeout' must be a number, got {options.get('connect_timeout')!r}"
-            ) from None
         conn = cls(
             servers=servers,
             user=options.get("user"),
             password=options.get("password"),
             token=options.get("token"),
             creds=options.get("creds"),
+            nkey_seed=options.get("nkey_seed"),
+            nkey_seed_file=options.get("nkey_seed_file"),
             tls_ca=options.get("tls_ca"),
             tls_cert=options.get("tls_cert"),
             tls_key=options.get("tls_key"),
-            connect_timeout=timeout,
+            connect_timeout=_number(options, "connect_timeout", "5", float),
+            connect_attempts=_number(options, "connect_attempts", "3", int),
         )
-        for name in ("creds", "tls_ca", "tls_cert", "tls_key"):
-            path = getattr(conn, name)
-            if path is not None and not os.path.isfile(path):
-                raise ConfigError(f"jetstream: option '{name}' must name a readable file, got {path!r}")
+        conn.auth_kwargs()  # a missing file or a bad seed fails here, on the driver
         return conn
 
-    def connect_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``nats.connect``: quick to fail, no reconnect loops."""
-        kwargs: dict[str, Any] = {
-            "servers": list(self.servers),
-            "connect_timeout": self.connect_timeout,
-            "allow_reconnect": False,
-            "max_reconnect_attempts": 0,
-            "name": "meshforge-spark",
-        }
-        if self.user is not None:
-            kwargs["user"] = self.user
-            kwargs["password"] = self.password or ""
-        if self.token is not None:
-            kwargs["token"] = self.token
-        if self.creds is not None:
-            kwargs["user_credentials"] = self.creds
-        context = ssl_context(self.tls_ca, self.tls_cert, self.tls_key, label="jetstream")
-        if context is not None:
-            kwargs["tls"] = context
-        return kwargs
+    def __repr__(self) -> str:
+        # a server URL may carry a password; secrets are left out altogether
+        shown = [f"servers={self.url!r}"] + [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.repr and f.name != "servers"
+        ]
+        return f"ConnOptions({', '.join(shown)})"
+
+    @property
+    def url(self) -> str:
+        """The servers without credentials, fit for errors."""
+        return redact_url(",".join(self.servers))
+
+    @property
+    def secrets(self) -> tuple[str | None, ...]:
+        return (self.password, self.token, self.nkey_seed)
+
+    def auth_kwargs(self) -> dict[str, Any]:
+        """Auth and TLS keyword arguments for ``nats.connect``; ConfigError on a bad file or seed."""
+        auth = NatsAuth(
+            user=self.user, password=self.password, token=self.token, creds_file=self.creds,
+            nkey_seed=self.nkey_seed, nkey_seed_file=self.nkey_seed_file,
+            tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
+        )  # fmt: skip
+        try:
+            return nats_auth_options(auth, label="jetstream")
+        except ConfigError as exc:
+            message = str(exc)
+            raise ConfigError(message if message.startswith("jetstream") else f"jetstream: {message}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,17 +178,21 @@ class SyncNats:
             raise
 
     async def _connect(self) -> NATS:
-        async def quiet(_exc: Exception) -> None:  # errors surface through the calls instead
-            return None
+        conn = self.conn
+        options = conn.auth_kwargs()
 
-        try:
-            return await nats.connect(error_cb=quiet, **self.conn.connect_kwargs())
-        except ConfigError:
-            raise
-        except Exception as exc:
-            raise ConnectionFailed(
-                f"cannot connect to NATS at {','.join(self.conn.servers)}: {one_line(exc, 300)}"
-            ) from None
+        async def once() -> NATS:
+            nc = NATS()
+            # no reconnect loop: a broken call fails and the caller reconnects (see reconnect)
+            await attempt_connect(
+                nc, list(conn.servers), connect_timeout=conn.connect_timeout,
+                secrets=conn.secrets, name="meshforge-spark", **options,
+            )  # fmt: skip
+            return nc
+
+        return await retry_connect(
+            ",".join(conn.servers), conn.connect_attempts, once, secrets=conn.secrets
+        )
 
     @property
     def nc(self) -> NATS:
@@ -188,8 +212,7 @@ class SyncNats:
         """Drop a broken connection and open a new one."""
         nc, self._nc = self._nc, None
         if nc is not None and not nc.is_closed:
-            with contextlib.suppress(Exception):  # it is broken already
-                self.run(nc.close())
+            self.run(close_bounded(nc))
         self._nc = self.run(self._connect())
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -232,7 +255,7 @@ class SyncNats:
         except JetStreamApiError as exc:
             if exc.err_code == _NOT_FOUND or exc.code == 404:
                 raise MissingTopology(
-                    f"stream {stream!r} not found on {','.join(self.conn.servers)}"
+                    f"stream {stream!r} not found on {self.conn.url}"
                 ) from None
             raise
         config, state = answer.get("config", {}), answer.get("state", {})
@@ -271,8 +294,7 @@ class SyncNats:
         nc, self._nc = self._nc, None
         try:
             if nc is not None and not nc.is_closed:
-                with contextlib.suppress(Exception):  # closing a connection that already broke
-                    self.run(nc.close())
+                self.run(close_bounded(nc))
         finally:
             self._loop.close()
             if self._thread is not None:

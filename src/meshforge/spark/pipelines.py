@@ -27,6 +27,7 @@ from pyspark.sql import functions as F
 from meshforge.errors import ConfigError
 from meshforge.spark.audit import StoreTables, compute
 from meshforge.spark.report import write_report
+from meshforge.subjects import DEAD_LETTER_PREFIX
 
 __all__ = [
     "AuditResult",
@@ -278,6 +279,24 @@ def _replay_rows(df: DataFrame) -> Iterator[dict[str, Any]]:
         yield row.asDict()
 
 
+def _undo_dead_letters(df: DataFrame) -> DataFrame:
+    """Rows of the dead-letter stream go back to their original subject, without Dlq-* headers.
+
+    Published to their own ``failed.`` subject they would only become dead letters again.
+    """
+    if "subject" not in df.columns:
+        return df
+    failed = F.col("subject").startswith(DEAD_LETTER_PREFIX)
+    stripped = F.expr(f"substring(subject, {len(DEAD_LETTER_PREFIX) + 1})")
+    if "headers" in df.columns:
+        original = F.coalesce(F.col("headers").getItem("Dlq-Original-Subject"), stripped)
+        kept = F.map_filter("headers", lambda k, _v: ~k.startswith("Dlq-"))
+        df = df.withColumn("headers", F.when(failed, kept).otherwise(F.col("headers")))
+    else:
+        original = stripped
+    return df.withColumn("subject", F.when(failed, original).otherwise(F.col("subject")))
+
+
 def replay(
     spark: SparkSession,
     table: str | DataFrame,
@@ -293,6 +312,8 @@ def replay(
 ) -> ReplayResult:
     """Publish the rows of ``table`` to ``subject`` (else each row's own), in stored order.
 
+    Without ``subject``, a dead letter goes to its original subject, not back to ``failed.``.
+
     Ids are the rows' ``id`` (the envelope id) or derived from subject and body, so a
     replay run twice stores nothing twice inside the duplicate window. Rows go through
     the driver, in ``seq`` order, at most ``rate`` per second.
@@ -303,6 +324,8 @@ def replay(
     df = spark.read.parquet(table) if isinstance(table, str) else table
     if where:
         df = df.where(where)
+    if subject is None:
+        df = _undo_dead_letters(df)
     order = [c for c in ("stream", "seq") if c in df.columns]
     if order:
         df = df.orderBy(*order)

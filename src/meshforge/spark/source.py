@@ -14,7 +14,8 @@ Read options: ``servers``, ``stream`` (required), ``filterSubject``, ``envelope`
 ``partitions`` / ``minPartitions`` / ``messagesPerPartition``, ``startingOffsets``,
 ``endingOffsets`` (batch), ``maxMessagesPerTrigger`` (streaming), ``failOnDataLoss``,
 ``fetchBatch``, and the connection options ``user``, ``password``, ``token``,
-``creds``, ``tls_ca``, ``tls_cert``, ``tls_key``, ``connect_timeout``.
+``nkey_seed``, ``nkey_seed_file``, ``creds``, ``tls_ca``, ``tls_cert``, ``tls_key``,
+``connect_timeout``, ``connect_attempts`` (see :class:`meshforge.spark.nats_sync.ConnOptions`).
 Write options: see :mod:`meshforge.spark.writer`.
 """
 

@@ -2,8 +2,10 @@
 store's own API, not JDBC, so SQLite and PostgreSQL look the same.
 
 Tables (option ``table``): ``effects`` (one row per processed idempotency key),
-``outputs`` (one row per stored output of an effect), ``events`` (every agent's event
-log, one partition per agent) and ``inbox`` (received messages per consumer).
+``outputs`` (one row per stored output of an effect), ``events`` (every event log, one
+partition per tenant, namespace and agent) and ``inbox`` (received messages per
+consumer). Every table has ``tenant`` and ``namespace`` columns: they are part of each
+row's key (one idempotency key or resource id may appear once per tenant).
 
 Example::
 
@@ -30,21 +32,23 @@ __all__ = ["TABLES", "StoreDataSource", "check_options"]
 
 _TS = "timestamp"
 _HEADERS = "map<string,string>"
+_SCOPE = ", tenant string, namespace string"
 TABLES: dict[str, str] = {
-    "effects": f"consumer string, key string, command_id string, outputs int, created_at {_TS}, published_at {_TS}",
+    "effects": f"consumer string, key string, command_id string, outputs int, created_at {_TS}, published_at {_TS}"
+    + _SCOPE,
     "outputs": (
         "consumer string, key string, command_id string, position int, subject string, msg_id string, "
-        f"data binary, headers {_HEADERS}, created_at {_TS}, published_at {_TS}"
+        f"data binary, headers {_HEADERS}, created_at {_TS}, published_at {_TS}" + _SCOPE
     ),
     "events": (
         "agent string, position long, event_id string, type string, resource_id string, "
-        f"command_id string, key string, data binary, ts string, stored_at {_TS}"
+        f"command_id string, key string, data binary, ts string, stored_at {_TS}" + _SCOPE
     ),
     "inbox": (
         "key string, consumer string, message_id string, type string, subject string, stream string, "
         "stream_seq long, status string, attempts int, deliveries int, error string, "
         f"resource_type string, resource_id string, headers {_HEADERS}, received_at {_TS}, "
-        f"processed_at {_TS}, failed_at {_TS}, created_at {_TS}, updated_at {_TS}"
+        f"processed_at {_TS}, failed_at {_TS}, created_at {_TS}, updated_at {_TS}" + _SCOPE
     ),
 }
 
@@ -89,10 +93,10 @@ class StoreReader(DataSourceReader):
 
         store = open_store(self.url)
         try:
-            agents = store.agents()
+            logs = store.logs()
         finally:
             store.close()
-        return [InputPartition(agent) for agent in agents]
+        return [InputPartition((scope.tenant, scope.namespace, agent)) for scope, agent in logs]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         from meshforge.store import open_store
@@ -106,7 +110,10 @@ class StoreReader(DataSourceReader):
 
 def _effects(store: Store, _: object) -> Iterator[tuple[Any, ...]]:
     for e in store.effects_read():
-        yield (e.consumer, e.key, e.command_id, len(e.outputs), e.created_at, e.published_at)
+        yield (
+            e.consumer, e.key, e.command_id, len(e.outputs), e.created_at, e.published_at,
+            e.scope.tenant, e.scope.namespace,
+        )  # fmt: skip
 
 
 def _outputs(store: Store, _: object) -> Iterator[tuple[Any, ...]]:
@@ -114,17 +121,21 @@ def _outputs(store: Store, _: object) -> Iterator[tuple[Any, ...]]:
         for o in e.outputs:
             yield (
                 e.consumer, e.key, e.command_id, o.position, o.subject, o.msg_id,
-                o.data, dict(o.headers), e.created_at, e.published_at,
+                o.data, dict(o.headers), e.created_at, e.published_at, e.scope.tenant,
+                e.scope.namespace,
             )  # fmt: skip
 
 
-def _events(store: Store, agent: object) -> Iterator[tuple[Any, ...]]:
-    if agent is None:
+def _events(store: Store, log: object) -> Iterator[tuple[Any, ...]]:
+    from meshforge.scope import Scope
+
+    if not isinstance(log, tuple):
         return
-    for ev in store.events_read(str(agent)):
+    tenant, namespace, agent = log
+    for ev in store.events_read(str(agent), scope=Scope(str(tenant), str(namespace))):
         yield (
             ev.agent, ev.position, ev.event_id, ev.type, ev.resource_id, ev.command_id,
-            ev.key, ev.data, ev.ts, ev.stored_at,
+            ev.key, ev.data, ev.ts, ev.stored_at, ev.scope.tenant, ev.scope.namespace,
         )  # fmt: skip
 
 
@@ -134,6 +145,7 @@ def _inbox(store: Store, _: object) -> Iterator[tuple[Any, ...]]:
             r.key, r.consumer, r.message_id, r.type, r.subject, r.stream, r.stream_seq, r.status,
             r.attempts, r.deliveries, r.error, r.resource_type, r.resource_id, dict(r.headers),
             r.received_at, r.processed_at, r.failed_at, r.created_at, r.updated_at,
+            r.scope.tenant, r.scope.namespace,
         )  # fmt: skip
 
 

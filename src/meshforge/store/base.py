@@ -2,7 +2,9 @@
 
 Everything a command changes (state, events, outputs, the idempotency key, outbox rows,
 the user's own tables) is written through one ``Transaction`` so it commits or vanishes
-together. The API is synchronous and thread-safe; async code calls it through
+together. What an agent keeps is scoped: states, events, effects and inbox rows take a
+``scope`` (tenant and namespace, ``meshforge.scope.Scope``; the default scope when
+omitted), so two tenants may use one resource id or one idempotency key apart. The API is synchronous and thread-safe; async code calls it through
 ``asyncio.to_thread``.
 
 Example::
@@ -21,6 +23,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, Protocol, TypeVar
+
+from meshforge.scope import DEFAULT_SCOPE, Scope
 
 T = TypeVar("T")
 
@@ -50,6 +54,7 @@ class EffectRecord:
     outputs: tuple[StoredOutput, ...]
     created_at: datetime
     published_at: datetime | None
+    scope: Scope = DEFAULT_SCOPE
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,7 @@ class InboxRecord:
     failed_at: datetime | None
     created_at: datetime
     updated_at: datetime
+    scope: Scope = DEFAULT_SCOPE
 
     @property
     def processed(self) -> bool:
@@ -97,11 +103,13 @@ class NewEvent:
 
 @dataclass(frozen=True, slots=True)
 class StoredEvent(NewEvent):
-    """An appended event: its agent, gapless per-agent ``position`` and when it was stored."""
+    """An appended event: its agent, gapless ``position`` in the log of (scope, agent), when
+    it was stored, and its scope."""
 
     agent: str
     position: int
     stored_at: datetime
+    scope: Scope = DEFAULT_SCOPE
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,43 +164,68 @@ class Transaction(Protocol):
         headers: dict[str, str],
         resource_type: str | None = None,
         resource_id: str | None = None,
+        scope: Scope = DEFAULT_SCOPE,
     ) -> InboxRecord:
-        """Find or insert the (key, consumer) row, locked; unless processed, mark it
+        """Find or insert the (scope, key, consumer) row, locked; unless processed, mark it
         ``processing`` and count the attempt. ``record.processed`` means: skip and ack."""
         ...
 
-    def inbox_done(self, key: str, consumer: str) -> None:
+    def inbox_done(self, key: str, consumer: str, *, scope: Scope = DEFAULT_SCOPE) -> None:
         """Mark the message processed."""
         ...
 
-    def inbox_failed(self, key: str, consumer: str, error: str) -> None:
+    def inbox_failed(
+        self, key: str, consumer: str, error: str, *, scope: Scope = DEFAULT_SCOPE
+    ) -> None:
         """Mark the message failed with a one-line error."""
         ...
 
-    def effect_get(self, consumer: str, key: str) -> list[StoredOutput] | None:
-        """The outputs stored for this key, or None when the key was never processed."""
+    def effect_get(
+        self, consumer: str, key: str, *, scope: Scope = DEFAULT_SCOPE
+    ) -> list[StoredOutput] | None:
+        """The outputs stored for this key in this scope, or None when it was never processed."""
         ...
 
     def effect_put(
-        self, consumer: str, key: str, command_id: str, outputs: Sequence[StoredOutput]
+        self,
+        consumer: str,
+        key: str,
+        command_id: str,
+        outputs: Sequence[StoredOutput],
+        *,
+        scope: Scope = DEFAULT_SCOPE,
     ) -> None:
         """Record the key as processed with its outputs; a second put raises
         ``StoreError(kind="duplicate")`` because it would double the effect."""
         ...
 
-    def effect_mark_published(self, consumer: str, key: str) -> None:
+    def effect_mark_published(
+        self, consumer: str, key: str, *, scope: Scope = DEFAULT_SCOPE
+    ) -> None:
         """Note that the outputs of this key reached the broker."""
         ...
 
-    def events_append(self, agent: str, events: Sequence[NewEvent]) -> list[int]:
-        """Append events to the agent's log; returns their positions (gapless from 1)."""
+    def events_append(
+        self, agent: str, events: Sequence[NewEvent], *, scope: Scope = DEFAULT_SCOPE
+    ) -> list[int]:
+        """Append events to the log of (scope, agent); returns their positions (gapless from 1)."""
         ...
 
-    def state_get(self, agent: str, resource_id: str) -> bytes | None:
+    def state_get(
+        self, agent: str, resource_id: str, *, scope: Scope = DEFAULT_SCOPE
+    ) -> bytes | None:
         """The resource's state snapshot, locked until the transaction ends."""
         ...
 
-    def state_put(self, agent: str, resource_id: str, data: bytes, position: int) -> None:
+    def state_put(
+        self,
+        agent: str,
+        resource_id: str,
+        data: bytes,
+        position: int,
+        *,
+        scope: Scope = DEFAULT_SCOPE,
+    ) -> None:
         """Store the resource's state snapshot as of event ``position``."""
         ...
 
@@ -289,23 +322,32 @@ class Store(Protocol):
         ...
 
     def events_read(
-        self, agent: str, after: int = 0, limit: int | None = None
+        self,
+        agent: str,
+        after: int = 0,
+        limit: int | None = None,
+        *,
+        scope: Scope = DEFAULT_SCOPE,
     ) -> Iterator[StoredEvent]:
-        """The agent's events after position ``after``, in order, read page by page."""
+        """The events of (scope, agent) after position ``after``, in order, page by page."""
         ...
 
     def agents(self) -> list[str]:
-        """Agents that have appended events, sorted."""
+        """Agents that have appended events (in any scope), sorted."""
+        ...
+
+    def logs(self, agent: str | None = None) -> list[tuple[Scope, str]]:
+        """Every (scope, agent) event log (of one agent), sorted."""
         ...
 
     def effects_read(self, consumer: str | None = None) -> Iterator[EffectRecord]:
-        """Every stored effect (of one consumer), by (consumer, key), read page by page."""
+        """Every stored effect (of one consumer), by (scope, consumer, key), page by page."""
         ...
 
     def inbox_read(
         self, consumer: str | None = None, *, status: InboxStatus | None = None
     ) -> Iterator[InboxRecord]:
-        """Inbox rows (of one consumer, of one status), by (consumer, key), page by page."""
+        """Inbox rows (of one consumer, of one status), by (scope, consumer, key), page by page."""
         ...
 
     def nodes(self) -> list[NodeInfo]:

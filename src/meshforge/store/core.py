@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
 
 from meshforge.errors import StoreError
+from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store.base import (
     DialectName,
     EffectRecord,
@@ -44,7 +45,8 @@ Clock = Callable[[], datetime]
 
 _OUTBOX_COLUMNS = "id, msg_id, subject, data, headers, attempts, state, created_at"
 _EVENT_COLUMNS = (
-    "event_id, type, resource_id, command_id, key, data, ts, agent, position, stored_at"
+    "event_id, type, resource_id, command_id, key, data, ts, agent, position, stored_at,"
+    " tenant, namespace"
 )
 
 
@@ -209,7 +211,9 @@ class SqlStore(ABC):
         with self._short() as run:
             run.count(
                 "DELETE FROM meshforge_effect_outputs WHERE EXISTS (SELECT 1 FROM"
-                " meshforge_effects e WHERE e.consumer = meshforge_effect_outputs.consumer"
+                " meshforge_effects e WHERE e.tenant = meshforge_effect_outputs.tenant"
+                " AND e.namespace = meshforge_effect_outputs.namespace"
+                " AND e.consumer = meshforge_effect_outputs.consumer"
                 " AND e.key = meshforge_effect_outputs.key AND e.created_at < ?)",
                 (cutoff,),
             )
@@ -226,22 +230,27 @@ class SqlStore(ABC):
     # ---- streaming readers --------------------------------------------------------
 
     def events_read(
-        self, agent: str, after: int = 0, limit: int | None = None
+        self,
+        agent: str,
+        after: int = 0,
+        limit: int | None = None,
+        *,
+        scope: Scope = DEFAULT_SCOPE,
     ) -> Iterator[StoredEvent]:
         last, remaining = after, limit
         while remaining is None or remaining > 0:
             size = self.page_size if remaining is None else min(self.page_size, remaining)
             with self._short(write=False) as run:
                 rows = run.rows(
-                    f"SELECT {_EVENT_COLUMNS} FROM meshforge_events"
-                    " WHERE agent = ? AND position > ? ORDER BY position LIMIT ?",
-                    (agent, last, size),
+                    f"SELECT {_EVENT_COLUMNS} FROM meshforge_events WHERE tenant = ?"
+                    " AND namespace = ? AND agent = ? AND position > ? ORDER BY position LIMIT ?",
+                    (scope.tenant, scope.namespace, agent, last, size),
                 )
             for r in rows:
                 yield StoredEvent(
                     event_id=r[0], type=r[1], resource_id=r[2], command_id=r[3], key=r[4],
                     data=bytes(r[5]), ts=r[6], agent=r[7], position=int(r[8]),
-                    stored_at=self._dialect.ts_out(r[9]),
+                    stored_at=self._dialect.ts_out(r[9]), scope=Scope(r[10], r[11]),
                 )  # fmt: skip
             if len(rows) < size:
                 return
@@ -250,29 +259,41 @@ class SqlStore(ABC):
 
     def agents(self) -> list[str]:
         with self._short(write=False) as run:
-            rows = run.rows("SELECT agent FROM meshforge_agent_heads ORDER BY agent")
+            rows = run.rows("SELECT DISTINCT agent FROM meshforge_agent_heads ORDER BY agent")
         return [r[0] for r in rows]
 
+    def logs(self, agent: str | None = None) -> list[tuple[Scope, str]]:
+        where, params = (" WHERE agent = ?", (agent,)) if agent is not None else ("", ())
+        with self._short(write=False) as run:
+            rows = run.rows(
+                f"SELECT tenant, namespace, agent FROM meshforge_agent_heads{where}"
+                " ORDER BY tenant, namespace, agent",
+                params,
+            )
+        return [(Scope(r[0], r[1]), r[2]) for r in rows]
+
     def effects_read(self, consumer: str | None = None) -> Iterator[EffectRecord]:
-        after: tuple[str, str] | None = None
+        after: tuple[str, str, str, str] | None = None
         while True:
             where, params = _keyset(consumer, after)
             with self._short(write=False) as run:
                 rows = run.rows(
                     "SELECT e.consumer, e.key, e.command_id, e.created_at, e.published_at,"
-                    " o.position, o.subject, o.msg_id, o.data, o.headers FROM"
-                    " (SELECT consumer, key, command_id, created_at, published_at"
-                    f" FROM meshforge_effects{where} ORDER BY consumer, key LIMIT ?) e"
-                    " LEFT JOIN meshforge_effect_outputs o"
-                    " ON o.consumer = e.consumer AND o.key = e.key"
-                    " ORDER BY e.consumer, e.key, o.position",
+                    " o.position, o.subject, o.msg_id, o.data, o.headers, e.tenant, e.namespace"
+                    " FROM (SELECT tenant, namespace, consumer, key, command_id, created_at,"
+                    f" published_at FROM meshforge_effects{where}"
+                    " ORDER BY tenant, namespace, consumer, key LIMIT ?) e"
+                    " LEFT JOIN meshforge_effect_outputs o ON o.tenant = e.tenant"
+                    " AND o.namespace = e.namespace AND o.consumer = e.consumer AND o.key = e.key"
+                    " ORDER BY e.tenant, e.namespace, e.consumer, e.key, o.position",
                     (*params, self.page_size),
                 )
             records = self._group_effects(rows)
             yield from records
             if len(records) < self.page_size:
                 return
-            after = (records[-1].consumer, records[-1].key)
+            last = records[-1]
+            after = (last.scope.tenant, last.scope.namespace, last.consumer, last.key)
 
     def _group_effects(self, rows: list[tuple[Any, ...]]) -> list[EffectRecord]:
         records: list[EffectRecord] = []
@@ -280,12 +301,15 @@ class SqlStore(ABC):
         outputs: list[StoredOutput] = []
         d = self._dialect
         for r in [*rows, None]:
-            if head is not None and (r is None or (r[0], r[1]) != (head[0], head[1])):
+            if head is not None and (
+                r is None or (r[10], r[11], r[0], r[1]) != (head[10], head[11], head[0], head[1])
+            ):
                 records.append(
                     EffectRecord(
                         consumer=head[0], key=head[1], command_id=head[2],
                         outputs=tuple(outputs), created_at=d.ts_out(head[3]),
                         published_at=None if head[4] is None else d.ts_out(head[4]),
+                        scope=Scope(head[10], head[11]),
                     )
                 )  # fmt: skip
                 outputs = []
@@ -293,13 +317,13 @@ class SqlStore(ABC):
                 break
             head = r
             if r[5] is not None:
-                outputs.append(output_of(r[5:]))
+                outputs.append(output_of(r[5:10]))
         return records
 
     def inbox_read(
         self, consumer: str | None = None, *, status: InboxStatus | None = None
     ) -> Iterator[InboxRecord]:
-        after: tuple[str, str] | None = None
+        after: tuple[str, str, str, str] | None = None
         while True:
             where, params = _keyset(consumer, after)
             if status is not None:
@@ -308,14 +332,15 @@ class SqlStore(ABC):
             with self._short(write=False) as run:
                 rows = run.rows(
                     f"SELECT {INBOX_COLUMNS} FROM meshforge_inbox{where}"
-                    " ORDER BY consumer, key LIMIT ?",
+                    " ORDER BY tenant, namespace, consumer, key LIMIT ?",
                     (*params, self.page_size),
                 )
             records = [inbox_record(self._dialect, r) for r in rows]
             yield from records
             if len(records) < self.page_size:
                 return
-            after = (records[-1].consumer, records[-1].key)
+            last = records[-1]
+            after = (last.scope.tenant, last.scope.namespace, last.consumer, last.key)
 
     def nodes(self) -> list[NodeInfo]:
         with self._short(write=False) as run:
@@ -326,14 +351,16 @@ class SqlStore(ABC):
         return [NodeInfo(r[0], r[1], int(r[2]), self._dialect.ts_out(r[3])) for r in rows]
 
 
-def _keyset(consumer: str | None, after: tuple[str, str] | None) -> tuple[str, list[Any]]:
-    """WHERE clause for the next page of a table keyed by (consumer, key)."""
+def _keyset(
+    consumer: str | None, after: tuple[str, str, str, str] | None
+) -> tuple[str, list[Any]]:
+    """WHERE clause for the next page of a table keyed by (tenant, namespace, consumer, key)."""
     clauses: list[str] = []
     params: list[Any] = []
     if consumer is not None:
         clauses.append("consumer = ?")
         params.append(consumer)
     if after is not None:
-        clauses.append("(consumer, key) > (?, ?)")
+        clauses.append("(tenant, namespace, consumer, key) > (?, ?, ?, ?)")
         params.extend(after)
     return (" WHERE " + " AND ".join(clauses) if clauses else ""), params

@@ -11,6 +11,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from meshforge.errors import StoreError
+from meshforge.store.scoping import STEPS as SCOPE_STEPS
+from meshforge.store.scoping import Step
 
 if TYPE_CHECKING:
     from meshforge.store.sql import Dialect, Runner
@@ -20,8 +22,8 @@ VERSION_TABLE = (
     " version INTEGER PRIMARY KEY, applied_at {ts} NOT NULL)"
 )
 
-# Append new versions; never edit a released one.
-MIGRATIONS: list[tuple[int, list[str]]] = [
+# Append new versions; never edit a released one. A step is DDL or a data move in Python.
+MIGRATIONS: list[tuple[int, list[Step]]] = [
     (
         1,
         [
@@ -72,6 +74,8 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                 PRIMARY KEY (site, node, command_id))""",
         ],
     ),
+    # Tenant and namespace in the keys of states, events, effects and inbox rows.
+    (2, SCOPE_STEPS),
 ]
 
 LATEST = MIGRATIONS[-1][0]
@@ -96,7 +100,10 @@ def migrate(run: Runner, dialect: Dialect, now: datetime) -> int:
         if version <= current:
             continue
         for statement in statements:
-            run.rows(dialect.ddl(statement))
+            if callable(statement):
+                statement(run, dialect)
+            else:
+                run.rows(dialect.ddl(statement))
         run.rows(
             "INSERT INTO meshforge_schema_version (version, applied_at) VALUES (?, ?)",
             (version, dialect.ts_in(now)),

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from meshforge.errors import StoreError
+from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store.base import InboxRecord, InboxStatus, NewEvent, StoredOutput
 from meshforge.store.sql import Dialect, Runner, clean_text, dump_headers, load_headers, ts_or_none
 
@@ -17,15 +18,15 @@ R = TypeVar("R")
 INBOX_COLUMNS = (
     "key, consumer, message_id, type, subject, stream, stream_seq, status, attempts, "
     "deliveries, error, resource_type, resource_id, headers, received_at, processed_at, "
-    "failed_at, created_at, updated_at"
+    "failed_at, created_at, updated_at, tenant, namespace"
 )
 
 _INBOX_BEGIN = f"""
-INSERT INTO meshforge_inbox (key, consumer, message_id, type, subject, stream, stream_seq,
-    status, attempts, deliveries, resource_type, resource_id, headers, received_at,
-    created_at, updated_at)
-VALUES (?, ?, ?, ?, ?, ?, ?, 'processing', 1, ?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT (key, consumer) DO UPDATE SET
+INSERT INTO meshforge_inbox (tenant, namespace, key, consumer, message_id, type, subject,
+    stream, stream_seq, status, attempts, deliveries, resource_type, resource_id, headers,
+    received_at, created_at, updated_at)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'processing', 1, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (tenant, namespace, key, consumer) DO UPDATE SET
     attempts = CASE WHEN meshforge_inbox.status = 'processed' THEN meshforge_inbox.attempts
                     ELSE meshforge_inbox.attempts + 1 END,
     deliveries = CASE WHEN meshforge_inbox.status = 'processed' THEN meshforge_inbox.deliveries
@@ -63,6 +64,7 @@ def inbox_record(dialect: Dialect, row: Sequence[Any]) -> InboxRecord:
         failed_at=ts_or_none(dialect, row[16]),
         created_at=dialect.ts_out(row[17]),
         updated_at=dialect.ts_out(row[18]),
+        scope=Scope(row[19], row[20]),
     )
 
 
@@ -114,41 +116,49 @@ class SqlTransaction:
         headers: dict[str, str],
         resource_type: str | None = None,
         resource_id: str | None = None,
+        scope: Scope = DEFAULT_SCOPE,
     ) -> InboxRecord:
         now = self._now
         params = (
-            key, consumer, message_id, type, subject, stream, stream_seq, deliveries,
+            scope.tenant, scope.namespace, key, consumer, message_id, type, subject, stream, stream_seq, deliveries,
             resource_type, resource_id, dump_headers(headers), now, now, now,
         )  # fmt: skip
         rows = self._run.rows(_INBOX_BEGIN, params)
         return inbox_record(self._d, rows[0])
 
     @_spoils
-    def inbox_done(self, key: str, consumer: str) -> None:
+    def inbox_done(self, key: str, consumer: str, *, scope: Scope = DEFAULT_SCOPE) -> None:
         changed = self._run.count(
             "UPDATE meshforge_inbox SET status = 'processed', processed_at = ?, error = NULL,"
-            " updated_at = ? WHERE key = ? AND consumer = ?",
-            (self._now, self._now, key, consumer),
+            " updated_at = ? WHERE tenant = ? AND namespace = ? AND key = ? AND consumer = ?",
+            (self._now, self._now, scope.tenant, scope.namespace, key, consumer),
         )
         self._require(changed, "inbox", consumer, key)
 
     @_spoils
-    def inbox_failed(self, key: str, consumer: str, error: str) -> None:
+    def inbox_failed(
+        self, key: str, consumer: str, error: str, *, scope: Scope = DEFAULT_SCOPE
+    ) -> None:
         changed = self._run.count(
             "UPDATE meshforge_inbox SET status = 'failed', failed_at = ?, error = ?,"
-            " updated_at = ? WHERE key = ? AND consumer = ?",
-            (self._now, clean_text(error), self._now, key, consumer),
-        )
+            " updated_at = ? WHERE tenant = ? AND namespace = ? AND key = ? AND consumer = ?",
+            (self._now, clean_text(error), self._now, scope.tenant, scope.namespace, key,
+             consumer),
+        )  # fmt: skip
         self._require(changed, "inbox", consumer, key)
 
     @_spoils
-    def effect_get(self, consumer: str, key: str) -> list[StoredOutput] | None:
+    def effect_get(
+        self, consumer: str, key: str, *, scope: Scope = DEFAULT_SCOPE
+    ) -> list[StoredOutput] | None:
         rows = self._run.rows(
             "SELECT o.position, o.subject, o.msg_id, o.data, o.headers"
             " FROM meshforge_effects e LEFT JOIN meshforge_effect_outputs o"
-            " ON o.consumer = e.consumer AND o.key = e.key"
-            " WHERE e.consumer = ? AND e.key = ? ORDER BY o.position",
-            (consumer, key),
+            " ON o.tenant = e.tenant AND o.namespace = e.namespace"
+            " AND o.consumer = e.consumer AND o.key = e.key"
+            " WHERE e.tenant = ? AND e.namespace = ? AND e.consumer = ? AND e.key = ?"
+            " ORDER BY o.position",
+            (scope.tenant, scope.namespace, consumer, key),
         )
         if not rows:
             return None
@@ -156,58 +166,72 @@ class SqlTransaction:
 
     @_spoils
     def effect_put(
-        self, consumer: str, key: str, command_id: str, outputs: Sequence[StoredOutput]
+        self,
+        consumer: str,
+        key: str,
+        command_id: str,
+        outputs: Sequence[StoredOutput],
+        *,
+        scope: Scope = DEFAULT_SCOPE,
     ) -> None:
+        t, ns = scope.tenant, scope.namespace
         try:
             self._run.rows(
-                "INSERT INTO meshforge_effects (consumer, key, command_id, created_at)"
-                " VALUES (?, ?, ?, ?)",
-                (consumer, key, command_id, self._now),
+                "INSERT INTO meshforge_effects (tenant, namespace, consumer, key, command_id,"
+                " created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (t, ns, consumer, key, command_id, self._now),
             )
         except StoreError as exc:
             if exc.kind != "duplicate":
                 raise
             raise StoreError(
-                f"effect of consumer {consumer!r} key {key!r} is already stored;"
+                f"effect of consumer {consumer!r} key {key!r} in {scope} is already stored;"
                 " storing it again would double the effect",
                 kind="duplicate",
             ) from exc
         self._insert_many(
-            "meshforge_effect_outputs (consumer, key, position, subject, msg_id, data, headers)",
+            "meshforge_effect_outputs (tenant, namespace, consumer, key, position, subject,"
+            " msg_id, data, headers)",
             [
-                (consumer, key, o.position, o.subject, o.msg_id, bytes(o.data),
+                (t, ns, consumer, key, o.position, o.subject, o.msg_id, bytes(o.data),
                  dump_headers(o.headers))
                 for o in outputs
             ],
         )  # fmt: skip
 
     @_spoils
-    def effect_mark_published(self, consumer: str, key: str) -> None:
+    def effect_mark_published(
+        self, consumer: str, key: str, *, scope: Scope = DEFAULT_SCOPE
+    ) -> None:
         changed = self._run.count(
-            "UPDATE meshforge_effects SET published_at = ? WHERE consumer = ? AND key = ?",
-            (self._now, consumer, key),
+            "UPDATE meshforge_effects SET published_at = ?"
+            " WHERE tenant = ? AND namespace = ? AND consumer = ? AND key = ?",
+            (self._now, scope.tenant, scope.namespace, consumer, key),
         )
         self._require(changed, "effect", consumer, key)
 
     @_spoils
-    def events_append(self, agent: str, events: Sequence[NewEvent]) -> list[int]:
+    def events_append(
+        self, agent: str, events: Sequence[NewEvent], *, scope: Scope = DEFAULT_SCOPE
+    ) -> list[int]:
         if not events:
             return []
+        t, ns = scope.tenant, scope.namespace
         # The head row is locked until commit, so concurrent appends take turns: gapless.
         head = self._run.rows(
-            "INSERT INTO meshforge_agent_heads (agent, position) VALUES (?, ?)"
-            " ON CONFLICT (agent) DO UPDATE"
+            "INSERT INTO meshforge_agent_heads (tenant, namespace, agent, position)"
+            " VALUES (?, ?, ?, ?) ON CONFLICT (tenant, namespace, agent) DO UPDATE"
             " SET position = meshforge_agent_heads.position + excluded.position"
             " RETURNING position",
-            (agent, len(events)),
+            (t, ns, agent, len(events)),
         )
         first = int(head[0][0]) - len(events) + 1
         positions = list(range(first, first + len(events)))
         self._insert_many(
-            "meshforge_events (agent, position, event_id, type, resource_id, command_id,"
-            " key, data, ts, stored_at)",
+            "meshforge_events (tenant, namespace, agent, position, event_id, type, resource_id,"
+            " command_id, key, data, ts, stored_at)",
             [
-                (agent, pos, e.event_id, e.type, e.resource_id, e.command_id, e.key,
+                (t, ns, agent, pos, e.event_id, e.type, e.resource_id, e.command_id, e.key,
                  bytes(e.data), e.ts, self._now)
                 for pos, e in zip(positions, events, strict=True)
             ],
@@ -215,25 +239,37 @@ class SqlTransaction:
         return positions
 
     @_spoils
-    def state_get(self, agent: str, resource_id: str) -> bytes | None:
+    def state_get(
+        self, agent: str, resource_id: str, *, scope: Scope = DEFAULT_SCOPE
+    ) -> bytes | None:
+        t, ns = scope.tenant, scope.namespace
         if self._d.resource_lock:
             # Serialises workers on one resource even before its first snapshot exists.
-            self._run.rows(self._d.resource_lock, (f"{agent}\x1f{resource_id}",))
+            self._run.rows(self._d.resource_lock, (f"{t}\x1f{ns}\x1f{agent}\x1f{resource_id}",))
         rows = self._run.rows(
-            "SELECT data FROM meshforge_states WHERE agent = ? AND resource_id = ?"
-            + self._d.for_update,
-            (agent, resource_id),
+            "SELECT data FROM meshforge_states WHERE tenant = ? AND namespace = ?"
+            " AND agent = ? AND resource_id = ?" + self._d.for_update,
+            (t, ns, agent, resource_id),
         )
         return bytes(rows[0][0]) if rows else None
 
     @_spoils
-    def state_put(self, agent: str, resource_id: str, data: bytes, position: int) -> None:
+    def state_put(
+        self,
+        agent: str,
+        resource_id: str,
+        data: bytes,
+        position: int,
+        *,
+        scope: Scope = DEFAULT_SCOPE,
+    ) -> None:
         self._run.rows(
-            "INSERT INTO meshforge_states (agent, resource_id, data, position, updated_at)"
-            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (agent, resource_id) DO UPDATE"
+            "INSERT INTO meshforge_states (tenant, namespace, agent, resource_id, data, position,"
+            " updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (tenant, namespace, agent, resource_id) DO UPDATE"
             " SET data = excluded.data, position = excluded.position,"
             " updated_at = excluded.updated_at",
-            (agent, resource_id, bytes(data), position, self._now),
+            (scope.tenant, scope.namespace, agent, resource_id, bytes(data), position, self._now),
         )
 
     @_spoils

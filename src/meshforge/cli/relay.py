@@ -1,0 +1,105 @@
+"""``meshforge relay``: publish the transactional outbox of a store until SIGINT/SIGTERM.
+
+Applications write messages into the outbox inside their own store transaction
+(``meshforge.outbox.enqueue``); this command is the process that sends them. Several
+relays may run against one store (rows are leased).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import signal
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from meshforge.cli.common import NatsUrl, StoreUrl, nats_target
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
+
+    from meshforge.config import Settings
+    from meshforge.observability import Metrics
+    from meshforge.outbox import OutboxRelay
+    from meshforge.store.base import Store
+
+
+def register(app: typer.Typer) -> None:
+    app.command("relay")(relay)
+
+
+def relay(
+    store: StoreUrl = None,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", min=1, help="Rows claimed and published per batch.")
+    ] = 100,
+    idle: Annotated[
+        float, typer.Option("--idle", min=0.05, help="Longest pause (s) between polls of an empty outbox.")
+    ] = 1.0,
+    nats_url: NatsUrl = None,
+) -> None:
+    """Publish the store's outbox until SIGINT/SIGTERM (rows sent once each, in id order)."""
+    from meshforge.config import load_settings
+    from meshforge.observability import configure_logging
+    from meshforge.store import open_store
+
+    settings = load_settings({"store_url": store, "nats_url": nats_url})
+    configure_logging(settings.log_level, settings.log_json)
+    opened = open_store(settings.store_url)
+    try:
+        with nats_target(settings.nats_url) as url:
+            settings = dataclasses.replace(settings, nats_url=url)
+            asyncio.run(_relay_until_signal(opened, settings, batch_size=batch_size, idle=idle))
+    finally:
+        opened.close()
+
+
+async def run_relay(
+    store: Store,
+    settings: Settings,
+    stop: asyncio.Event,
+    *,
+    batch_size: int = 100,
+    idle: float = 1.0,
+    metrics: Metrics | None = None,
+) -> int:
+    """Run an ``OutboxRelay`` on its own connection until ``stop`` is set; returns rows sent.
+
+    ``metrics``: where it counts (e.g. the worker's, so its endpoint shows the outbox depth)."""
+    from meshforge.connection import connect
+    from meshforge.outbox import OutboxRelay
+    from meshforge.publisher import Publisher
+
+    async with await connect(settings, name="meshforge-relay") as conn:
+        await _streams(conn.js, settings)
+        outbox: OutboxRelay = OutboxRelay(
+            store, Publisher(conn.js, settings, metrics), batch_size=batch_size, idle=idle
+        )
+        task = asyncio.create_task(outbox.run())
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        await outbox.stop(settings.shutdown_timeout)
+        await task  # the relay's own error, if it failed
+        return outbox.sent_total
+
+
+async def _streams(js: JetStreamContext, settings: Settings) -> None:
+    """Create the CONTRACT streams when allowed, so the first rows have somewhere to go."""
+    if not settings.provision:
+        return
+    from meshforge.topology import default_streams, ensure
+
+    await ensure(js, default_streams(settings), [])
+
+
+async def _relay_until_signal(store: Store, settings: Settings, *, batch_size: int, idle: float) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    sent = await run_relay(store, settings, stop, batch_size=batch_size, idle=idle)
+    typer.secho(f"outbox relay stopped: {sent} message(s) sent", err=True, dim=True)

@@ -1,0 +1,174 @@
+"""Auth and TLS options for nats-py, and keeping secrets out of everything printed.
+
+One place turns user/password, token, NKey seed, credentials file and TLS paths into
+``nats.connect`` keyword arguments, for the runtime (``connection.py``) and the Spark
+client (``spark/nats_sync.py``) alike. Secrets never appear in an error from here:
+a bad seed or URL is described, not echoed.
+
+Example::
+
+    options = nats_auth_options(NatsAuth(token="s3cret", tls_ca="ca.pem"))
+    await nats.connect("tls://127.0.0.1:4222", **options)
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import ssl
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshforge.errors import ConfigError, one_line
+
+__all__ = [
+    "NatsAuth",
+    "check_creds_file",
+    "check_nkey_seed",
+    "hide_secrets",
+    "nats_auth_options",
+    "redact_url",
+    "ssl_context",
+]
+
+HIDDEN = "***"
+# scheme://anything@ ... : everything up to the last "@" of a server is its user info
+_USERINFO = re.compile(r"^(\s*(?:[A-Za-z][A-Za-z0-9+.\-]*://)?).*@")
+_SEED = re.compile(r"S[A-Z][A-Z2-7]{40,}")
+
+
+def redact_url(url: str) -> str:
+    """The URL(s) without user name, password or token, fit for logs and errors.
+
+    >>> redact_url("nats://alice:secret@host:4222,nats://h2:2")
+    'nats://***@host:4222,nats://h2:2'
+    """
+    return ",".join(_USERINFO.sub(rf"\g<1>{HIDDEN}@", part).strip() for part in url.split(","))
+
+
+def hide_secrets(text: str, secrets: tuple[str | None, ...] = ()) -> str:
+    """``text`` with every given secret, URL user info and NKey seed replaced by ``***``."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, HIDDEN)
+    text = re.sub(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^\s/@,'\"]*@", rf"\g<1>{HIDDEN}@", text)
+    return _SEED.sub(HIDDEN, text)
+
+
+def check_nkey_seed(seed: str, label: str = "nkey_seed") -> str:
+    """The seed stripped, if it is an NKey user seed (``SU...``); never echoes it."""
+    import nkeys
+
+    value = seed.strip()
+    try:
+        prefix, _raw = nkeys.decode_seed(bytearray(value.encode()))
+        # nkeys does not check the seed's CRC: a mistyped seed would only fail at login
+        decoded = base64.b32decode(value + "=" * (-len(value) % 8))
+        intact = bytes(nkeys.crc16_checksum(decoded[:-2])) == decoded[-2:]
+    except Exception:  # nkeys raises its own error kinds (and binascii's) on any bad seed
+        prefix, intact = None, False
+    if prefix != nkeys.PREFIX_BYTE_USER or not intact:
+        raise ConfigError(
+            f"{label}: expected an NKey user seed (58 characters starting with SU), "
+            f"got a value of {len(value)} characters that is not one (not shown)"
+        )
+    return value
+
+
+def check_creds_file(path: str, label: str = "creds_file") -> None:
+    """A readable credentials file holding a user JWT and an NKey user seed.
+
+    nats-py loops for ever on a file without the JWT block, so it is checked first.
+    """
+    _readable(label, path)
+    try:
+        with open(path, encoding="ascii", errors="replace") as fh:
+            lines = [line.strip() for line in fh]
+    except OSError as exc:
+        raise ConfigError(f"{label}: cannot read {path!r}: {exc.strerror}") from None
+    blocks: dict[str, str] = {}
+    for i, line in enumerate(lines[:-1]):
+        for block in ("NATS USER JWT", "USER NKEY SEED"):
+            if line.startswith("-----BEGIN") and block in line:
+                blocks[block] = lines[i + 1]
+    if "NATS USER JWT" not in blocks or blocks["NATS USER JWT"].count(".") != 2:
+        raise ConfigError(
+            f"{label}: expected a credentials file with a user JWT block, got {path!r}"
+        )
+    if "USER NKEY SEED" not in blocks:
+        raise ConfigError(
+            f"{label}: expected a credentials file with a user seed block, got {path!r}"
+        )
+    check_nkey_seed(blocks["USER NKEY SEED"], f"{label} {path!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class NatsAuth:
+    """How a client proves who it is and whom it trusts; secrets are left out of repr."""
+
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    creds_file: str | None = None
+    nkey_seed: str | None = field(default=None, repr=False)
+    nkey_seed_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @property
+    def secrets(self) -> tuple[str | None, ...]:
+        """The values that must never be printed."""
+        return (self.password, self.token, self.nkey_seed)
+
+
+def _readable(name: str, path: str | None) -> None:
+    if path is not None and not os.path.isfile(path):
+        raise ConfigError(f"{name}: expected a readable file, got {path!r}")
+
+
+def ssl_context(
+    ca: str | None, cert: str | None, key: str | None, *, label: str = "tls"
+) -> ssl.SSLContext | None:
+    """A client SSL context trusting ``ca`` and presenting ``cert`` + ``key``; None when neither is set."""
+    if not (ca or cert):
+        return None
+    for name, path in (("tls_ca", ca), ("tls_cert", cert), ("tls_key", key)):
+        _readable(name, path)
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+        if cert:
+            context.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"{label}: cannot load certificates: {one_line(exc, 300)}") from None
+    return context
+
+
+def nats_auth_options(auth: NatsAuth, *, label: str = "tls") -> dict[str, Any]:
+    """``nats.connect`` keyword arguments for ``auth``; ConfigError on a missing file or bad seed."""
+    options: dict[str, Any] = {}
+    if auth.user is not None:
+        options["user"] = auth.user
+        options["password"] = auth.password or ""
+    if auth.token is not None:
+        options["token"] = auth.token
+    if auth.creds_file is not None:
+        check_creds_file(auth.creds_file)
+        options["user_credentials"] = auth.creds_file
+    elif auth.nkey_seed is not None:
+        options["nkeys_seed_str"] = check_nkey_seed(auth.nkey_seed)
+    elif auth.nkey_seed_file is not None:
+        _readable("nkey_seed_file", auth.nkey_seed_file)
+        try:
+            with open(auth.nkey_seed_file, encoding="ascii", errors="replace") as fh:
+                check_nkey_seed(fh.read(), f"nkey_seed_file {auth.nkey_seed_file!r}")
+        except OSError as exc:
+            raise ConfigError(
+                f"nkey_seed_file: cannot read {auth.nkey_seed_file!r}: {exc.strerror}"
+            ) from None
+        options["nkeys_seed"] = auth.nkey_seed_file
+    tls = ssl_context(auth.tls_ca, auth.tls_cert, auth.tls_key, label=label)
+    if tls is not None:
+        options["tls"] = tls
+    return options

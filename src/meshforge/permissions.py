@@ -1,0 +1,215 @@
+"""Least-privilege NATS permissions for each MeshForge role, as a nats-server config block.
+
+Each role gets the subjects its process publishes to and subscribes on, nothing more:
+
+* ``admin``: provisioning (the whole JetStream API) and nothing else;
+* ``agent``: a worker of the given agents started with ``--no-provision``: the start-up
+  check, pull and ack on its own durables, what its agents emit, dead letters of its own
+  commands, and ``$JS.API.INFO`` for ``/healthz``;
+* ``node``: a control-plane node with ``--no-provision``: its mailbox, its reply subject,
+  dead letters of its mailbox, its presence key;
+* ``publisher``: publishing commands and events (``meshforge publish``, an outbox relay);
+* ``spark``: the pipeline: reading the given streams (ephemeral consumers and
+  ``STREAM.MSG.GET``) and publishing to the subjects it writes.
+
+Every role subscribes on ``_INBOX.>``: JetStream API replies, PubAcks and pulled
+messages arrive there.
+
+Example::
+
+    grant = role_grant("agent", Settings(), agents=["order"], tenant="acme")
+    print(authorization_block([User("order-worker", grant)]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshforge.config import Settings
+from meshforge.control.presence import NODES_BUCKET
+from meshforge.errors import ConfigError, InvalidSubject
+from meshforge.subjects import (
+    STREAM_COMMANDS,
+    STREAM_EVENTS,
+    STREAM_FAILED,
+    control_reply_subject,
+    validate_subject,
+    validate_token,
+)
+from meshforge.topology import agent_consumer, node_consumer
+
+__all__ = [
+    "DEFAULT_SPARK_STREAMS",
+    "ROLES",
+    "Grant",
+    "User",
+    "authorization_block",
+    "password_variable",
+    "role_grant",
+]
+
+ROLES = ("admin", "agent", "node", "publisher", "spark")
+INBOX = "_INBOX.>"
+HEALTH = "$JS.API.INFO"  # account info: what /healthz reports
+DEFAULT_SPARK_STREAMS = (STREAM_EVENTS, STREAM_FAILED)
+# Streams an agent worker checks at start (the control plane's are not its business).
+_AGENT_STREAMS = (STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Subjects a user may publish to and subscribe on (allow lists)."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...] = (INBOX,)
+
+
+@dataclass(frozen=True, slots=True)
+class User:
+    """One ``users`` entry: a name, where its password comes from, and its grant."""
+
+    name: str
+    grant: Grant
+    password: str | None = None  # None: the variable $<NAME>_PASSWORD
+
+
+def _pull(stream: str, durable: str) -> list[str]:
+    """Check, pull from and ack on one durable consumer."""
+    return [
+        f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
+        f"$JS.ACK.{stream}.{durable}.>",
+    ]
+
+
+def _unique(subjects: Sequence[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(subjects))
+
+
+def role_grant(
+    role: str,
+    settings: Settings | None = None,
+    *,
+    agents: Sequence[str] = (),
+    tenant: str | None = None,
+    namespace: str | None = None,
+    site: str | None = None,
+    nodes: Sequence[str] = (),
+    streams: Sequence[str] = (),
+    subjects: Sequence[str] = (),
+    writes: Sequence[str] = (),
+) -> Grant:
+    """The grant of ``role``; raises ``ConfigError`` naming a missing or bad option.
+
+    ``subjects`` narrows what a publisher may publish (default: commands and events of
+    ``tenant``); ``streams`` is what spark reads and ``writes`` what it publishes.
+
+    >>> role_grant("admin").publish
+    ('$JS.API.>',)
+    """
+    try:
+        return _grant(role, settings or Settings(), agents, tenant, namespace, site, nodes, streams, subjects, writes)
+    except InvalidSubject as exc:  # a bad name is a bad option, like any other
+        raise ConfigError(str(exc)) from None
+
+
+def _grant(
+    role: str,
+    settings: Settings,
+    agents: Sequence[str],
+    tenant: str | None,
+    namespace: str | None,
+    site: str | None,
+    nodes: Sequence[str],
+    streams: Sequence[str],
+    subjects: Sequence[str],
+    writes: Sequence[str],
+) -> Grant:
+    for value, what in ((tenant, "tenant"), (namespace, "namespace"), (site, "site")):
+        if value is not None:
+            validate_token(value, what)
+    for subject in (*subjects, *writes):
+        validate_subject(subject, wildcards=True)
+    t, ns = tenant or "*", namespace or "*"
+    if role == "admin":
+        return Grant(("$JS.API.>",))
+    if role == "agent":
+        if not agents:
+            raise ConfigError("permissions agent: name the agents with --agent NAME (repeatable)")
+        out = [HEALTH, *(f"$JS.API.STREAM.INFO.{s}" for s in _AGENT_STREAMS)]
+        for agent in agents:
+            spec = agent_consumer(agent, settings, tenant, namespace)
+            out += _pull(spec.stream, spec.durable)
+            out += [
+                f"evt.{t}.{ns}.{agent}.>",  # its events
+                f"failed.cmd.{t}.{ns}.{agent}.>",  # dead letters of its commands
+            ]
+        out.append(f"cmd.{t}.{ns}.>" if tenant or namespace else "cmd.>")  # commands it sends
+        return Grant(_unique(out))
+    if role == "node":
+        if site is None or not nodes:
+            raise ConfigError("permissions node: give --site SITE and --node NODE (repeatable)")
+        out = [HEALTH, f"$JS.API.STREAM.INFO.KV_{NODES_BUCKET}"]
+        for node in nodes:
+            spec = node_consumer(site, node, settings)
+            out += _pull(spec.stream, spec.durable)
+            out += [
+                control_reply_subject(site, node),
+                f"failed.control.cmd.{site}.{node}",
+                f"$KV.{NODES_BUCKET}.{site}.{node}",  # presence
+            ]
+        return Grant(_unique(out))
+    if role == "publisher":
+        scope = f"{t}.{ns}.>" if namespace else f"{t}.>" if tenant else ">"
+        default = [f"cmd.{scope}", f"evt.{scope}"]
+        return Grant(_unique([HEALTH, *(subjects or default)]))
+    if role == "spark":
+        out = []
+        for stream in streams or DEFAULT_SPARK_STREAMS:
+            validate_token(stream, "stream")
+            out += [
+                f"$JS.API.STREAM.INFO.{stream}",
+                f"$JS.API.STREAM.MSG.GET.{stream}",  # work-queue streams: read by sequence
+                f"$JS.API.CONSUMER.CREATE.{stream}.>",  # limits streams: ephemeral consumers
+                f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
+                f"$JS.API.CONSUMER.DELETE.{stream}.>",
+            ]
+        return Grant(_unique([*out, *writes]))
+    raise ConfigError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+
+
+def _quoted(items: Sequence[str], indent: str) -> str:
+    return "\n".join(f'{indent}"{item}"' for item in items)
+
+
+def password_variable(user: str) -> str:
+    """``<USER>_PASSWORD`` (upper case, other characters as ``_``): the environment
+    variable nats-server takes the user's password from.
+
+    >>> password_variable("meshforge-agent")
+    'MESHFORGE_AGENT_PASSWORD'
+    """
+    clean = "".join(ch if ch.isalnum() else "_" for ch in user).upper()
+    return f"{clean}_PASSWORD"
+
+
+def authorization_block(users: Sequence[User]) -> str:
+    """A nats-server ``authorization { users = [...] }`` block, one subject per line.
+
+    Passwords are never written: each user's is ``$<USER>_PASSWORD``, which
+    nats-server takes from its environment (or a bcrypt hash you put in its place).
+    """
+    entries = []
+    for user in users:
+        password = user.password or f"${password_variable(user.name)}"
+        entries.append(
+            f'    {{\n      user: "{user.name}"\n      password: {password}\n'
+            "      permissions: {\n"
+            "        publish: {\n          allow: [\n"
+            f"{_quoted(user.grant.publish, '            ')}\n          ]\n        }}\n"
+            "        subscribe: {\n          allow: [\n"
+            f"{_quoted(user.grant.subscribe, '            ')}\n          ]\n        }}\n"
+            "      }\n    }"
+        )
+    return "authorization {\n  users = [\n" + "\n".join(entries) + "\n  ]\n}\n"
