@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -143,6 +144,12 @@ class Engine(Generic[S]):
         #: Most commands one transaction takes from the batches waiting for it.
         self.max_batch = self.settings.batch_size
         self._commands = agent.commands()
+        # Plain-function handlers behind the stock Agent.handle run without awaiting anything.
+        stock = type(agent).handle is Agent.handle
+        self._sync_commands = frozenset(
+            name for name, spec in self._commands.items()
+            if stock and not inspect.iscoroutinefunction(spec.handler)
+        )  # fmt: skip
         # The batch's transaction lives in this one thread from BEGIN to COMMIT.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"meshforge-{agent.name}-store")
         # One transaction at a time; the publish stage keeps their order on the wire.
@@ -376,8 +383,13 @@ class Engine(Generic[S]):
                 plan.duplicates += 1
                 continue
             try:
-                async with asyncio.timeout(self.handler_timeout):
-                    outputs: list[Output] = await agent.handle(work.spec, work.env, states[slot])
+                outputs: list[Output]
+                if work.spec.name in self._sync_commands:
+                    # Never suspends, so a timer could not interrupt it: spare one per command.
+                    outputs = await agent.handle(work.spec, work.env, states[slot])
+                else:
+                    async with asyncio.timeout(self.handler_timeout):
+                        outputs = await agent.handle(work.spec, work.env, states[slot])
                 new_state, work.outputs, work.events = build_outputs(
                     agent, work.env, work.resource, d.subject, outputs, states[slot]
                 )
