@@ -30,11 +30,11 @@ import asyncio
 import inspect
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from meshforge.config import Settings
 from meshforge.decisions import (
@@ -70,6 +70,16 @@ _UNRECOVERABLE: tuple[type[BaseException], ...] = (
 _BATCH_ATTEMPTS = 4
 _STORE_RETRY_DELAY = 0.5
 _MARK_IDLE = 1.0  # seconds without a commit before published marks get their own
+
+
+def _drive(coro: Coroutine[Any, Any, T]) -> T:
+    """Run to its end a coroutine that never suspends (handlers that are plain functions)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    coro.close()
+    raise RuntimeError("a plain-function handler returned something to await")
 
 
 def consumer_name(agent: str) -> str:
@@ -332,25 +342,41 @@ class Engine(Generic[S]):
         return _Plan(decisions={w.index: Decision.nak(_STORE_RETRY_DELAY) for w in works})
 
     async def _run(self, works: list[_Work]) -> _Plan:
-        """One transaction in two trips to the store thread: open and read, then (after the
-        handlers ran here) write and commit. Few trips: each one waits for a thread switch."""
+        """One transaction. Plain-function handlers need no event loop: the whole of it runs
+        in one trip to the store thread. Others take two: open and read, then (after the
+        handlers ran here) write and commit. Each trip waits for a thread switch."""
         # Published keys ride along in this transaction: no transaction of their own.
         marks, self._marks = self._marks, []
         try:
-            cm, tx, raw, stored = await self._in_thread(self._open, works)
-            try:
-                plan = await self._process(works, raw, stored)
-                crash_point("after_handler")
-            except BaseException as exc:
-                await self._in_thread(self._abort, cm, exc)
-                raise
-            await self._in_thread(self._finish, cm, tx, plan, marks)
+            if self._sync_commands.issuperset(w.spec.name for w in works):
+                plan = await self._in_thread(self._run_here, works, marks)
+            else:
+                cm, tx, raw, stored = await self._in_thread(self._open, works)
+                try:
+                    plan = await self._process(works, raw, stored)
+                    crash_point("after_handler")
+                except BaseException as exc:
+                    await self._in_thread(self._abort, cm, exc)
+                    raise
+                await self._in_thread(self._finish, cm, tx, plan, marks)
         except BaseException as exc:
             self._keep_marks(marks, exc)
             raise
         finally:
             self._commits += 1
         crash_point("after_commit")
+        return plan
+
+    def _run_here(self, works: list[_Work], marks: list[tuple[Scope, str]]) -> _Plan:
+        """The whole transaction in the store thread (every handler a plain function)."""
+        cm, tx, raw, stored = self._open(works)
+        try:
+            plan = _drive(self._process(works, raw, stored))
+            crash_point("after_handler")
+        except BaseException as exc:
+            self._abort(cm, exc)
+            raise
+        self._finish(cm, tx, plan, marks)
         return plan
 
     def _keep_marks(self, marks: list[tuple[Scope, str]], exc: BaseException) -> None:
