@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -160,7 +159,7 @@ async def read_stream(
         while True:
             try:
                 msgs = await sub.fetch(batch, timeout=fetch_wait)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nats-py raises its own, or asyncio's when its deadline passed
                 break
             for m in msgs:
                 out.append(StreamMessage(m.subject, m.metadata.sequence.stream, dict(m.headers or {}), m.data))
