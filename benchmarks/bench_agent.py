@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _agents import LABELS, bench, cpu_seconds, wait_for
 from _common import BODY_SIZE, console, machine
+from _floors import floor
 from _variants import command_body
 from rich.table import Table
 
@@ -68,10 +69,12 @@ async def main(n: int, rounds: int, kinds: list[str]) -> None:
     console.print(table)
     if "mf" in med and "raw" in med:
         ratio = med["mf"] / med["raw"]
-        console.print(f"S1 agent vs nats-py loop: {ratio:.2f}x (floor {S1_FLOOR}x: {'met' if ratio >= S1_FLOOR else 'NOT met'})")
+        floor("S1", "exactly-once agent vs nats-py loop, backlog", f"{ratio:.2f}x", f">= {S1_FLOOR}x",
+              met=ratio >= S1_FLOOR, note=f"{med['mf']:,.0f} vs {med['raw']:,.0f} cmd/s")  # fmt: skip
     if "mf" in med and "fs" in med:
         ratio = med["mf"] / med["fs"]
-        console.print(f"S2 agent vs FastStream: {ratio:.2f}x (floor {S2_FLOOR}x: {'met' if ratio >= S2_FLOOR else 'NOT met'})")
+        floor("S2", "exactly-once agent vs FastStream, backlog", f"{ratio:.2f}x", f">= {S2_FLOOR}x",
+              met=ratio >= S2_FLOOR, note=f"{med['mf']:,.0f} vs {med['fs']:,.0f} cmd/s")  # fmt: skip
 
 
 if __name__ == "__main__":

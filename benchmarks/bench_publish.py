@@ -1,94 +1,165 @@
-"""Publish throughput: MeshForge's Publisher against raw nats-py and FastStream.
+"""Publish throughput: MeshForge's Publisher and outbox relay against nats-py's ``publish_async``.
 
 Every variant publishes the same N envelopes of 128-byte payloads with a Nats-Msg-Id to
-a fresh stream and waits for every PubAck.
+its own fresh stream and waits for every PubAck, with the same number of PubAcks pending
+(256). The variants take turns for ``--rounds`` rounds; the median of each counts.
 
-    python benchmarks/bench_publish.py [--n 20000] [--quick]
+- nats-py ``publish_async`` (its own pipelining, ``publish_async_max_pending=256``),
+  then ``publish_async_completed()``: the baseline;
+- MeshForge ``Publisher.publish_many`` (retries, results, metrics);
+- the outbox: 100 rows enqueued per SQLite transaction while an ``OutboxRelay`` publishes
+  them, until every row is sent;
+- the outbox relay alone, on N rows enqueued beforehand.
+
+Floors (S0): ``publish_many`` >= 0.9x the baseline; the outbox relay >= 0.5x.
+
+    python benchmarks/bench_publish.py [--n 20000] [--rounds 5] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import nats
-from faststream.nats import NatsBroker
+from nats.js import JetStreamContext
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import BODY_SIZE, console, report, timed
+from _common import BODY_SIZE, console, machine
+from _floors import floor
+from rich.table import Table
 
 from meshforge.envelope import Envelope, Outbound
+from meshforge.observability import Metrics
+from meshforge.outbox import OutboxRelay, enqueue
 from meshforge.publisher import Publisher
 from meshforge.server import EmbeddedServer
+from meshforge.store import open_store
+from meshforge.store.base import Store
 
-IN_FLIGHT = 256
+PENDING = 256
+ROWS_PER_TX = 100
+VARIANTS = ("publish_async", "publish_many", "outbox", "relay")
+LABELS = {
+    "publish_async": f"nats-py publish_async ({PENDING} pending)",
+    "publish_many": f"MeshForge publish_many ({PENDING} in flight)",
+    "outbox": f"outbox: enqueue {ROWS_PER_TX}/transaction + relay",
+    "relay": "outbox relay alone (rows enqueued before)",
+}
 
 
-def messages(n: int, prefix: str) -> list[Outbound]:
+def envelopes(n: int, prefix: str) -> list[Envelope]:
     payload = {"blob": "x" * BODY_SIZE}
-    return [
-        Outbound.of(f"bench.{prefix}", Envelope.new("bench.publish", payload, id=f"{prefix}-{i}"))
-        for i in range(n)
-    ]
+    return [Envelope.new("bench.publish", payload, id=f"{prefix}-{i}") for i in range(n)]
 
 
-async def main(n: int) -> None:
+def fill_outbox(store: Store, subject: str, envs: list[Envelope]) -> None:
+    for start in range(0, len(envs), ROWS_PER_TX):
+        with store.transaction() as tx:
+            for env in envs[start : start + ROWS_PER_TX]:
+                enqueue(tx, subject, env)
+
+
+async def relay_all(relay: OutboxRelay, n: int, fill: Callable[[int], Awaitable[None]] | None) -> None:
+    """Run ``relay`` until it sent ``n`` rows; ``fill(start)`` enqueues the rows from ``start`` meanwhile."""
+    task = asyncio.create_task(relay.run())
+    if fill is not None:
+        for start in range(0, n, ROWS_PER_TX):
+            await fill(start)
+            relay.notify()
+    for _ in range(1_000_000):
+        if relay.sent_total >= n or task.done():
+            break
+        await asyncio.sleep(0.005)
+    await relay.stop()
+    await task
+
+
+async def run_variant(
+    variant: str, js: JetStreamContext, async_js: JetStreamContext, subject: str, envs: list[Envelope], db: str
+) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one variant publishing ``envs``."""
+    items = [Outbound.of(subject, e) for e in envs]
+    n = len(envs)
+    store = open_store(db) if variant in ("outbox", "relay") else None
+    if store is not None and variant == "relay":
+        await asyncio.to_thread(fill_outbox, store, subject, envs)
+    wall, cpu = time.perf_counter(), time.process_time()
+    if variant == "publish_async":
+        futures = [await async_js.publish_async(m.subject, m.data, headers=m.headers) for m in items]
+        await async_js.publish_async_completed()
+        for f in futures:
+            f.result()
+    elif variant == "publish_many":
+        await Publisher(js, metrics=Metrics()).publish_many(items, max_in_flight=PENDING)
+    else:
+        assert store is not None
+        relay = OutboxRelay(store, Publisher(js, metrics=Metrics()), max_in_flight=PENDING, idle=0.05)
+
+        async def fill(start: int) -> None:
+            await asyncio.to_thread(fill_outbox, store, subject, envs[start : start + ROWS_PER_TX])
+
+        await relay_all(relay, n, fill if variant == "outbox" else None)
+    figures = time.perf_counter() - wall, time.process_time() - cpu
+    if store is not None:
+        store.close()
+    return figures
+
+
+async def one_round(
+    js: JetStreamContext, async_js: JetStreamContext, n: int, r: int, tmp: Path, sync: str
+) -> dict[str, tuple[float, float]]:
+    out: dict[str, tuple[float, float]] = {}
+    for variant in VARIANTS:
+        name = f"{variant}_{r}"
+        subject = f"bench.{name}"
+        await js.add_stream(name=name.upper(), subjects=[subject], duplicate_window=120)
+        db = f"sqlite:///{tmp / name}.db?synchronous={sync}"
+        out[variant] = await run_variant(variant, js, async_js, subject, envelopes(n, name), db)
+        info = await js.stream_info(name.upper())
+        assert info.state.messages == n, f"{name}: stored {info.state.messages} of {n}"
+        await js.delete_stream(name.upper())
+    return out
+
+
+async def main(n: int, rounds: int, sync: str) -> None:
+    runs: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
     async with EmbeddedServer() as server:
         nc = await nats.connect(server.url)
         js = nc.jetstream()
-        for name in ("raw_seq", "raw_pipe", "mf_seq", "mf_many", "fs_seq"):
-            await js.add_stream(name=name.upper(), subjects=[f"bench.{name}"], duplicate_window=120)
-
-        async def raw_seq() -> None:
-            for m in messages(n, "raw_seq"):
-                await js.publish(m.subject, m.data, headers=m.headers)
-
-        async def raw_pipe() -> None:
-            sem = asyncio.Semaphore(IN_FLIGHT)
-
-            async def one(m: Outbound) -> None:
-                async with sem:
-                    await js.publish(m.subject, m.data, headers=m.headers)
-
-            await asyncio.gather(*(one(m) for m in messages(n, "raw_pipe")))
-
-        publisher = Publisher(js)
-
-        async def mf_seq() -> None:
-            for m in messages(n, "mf_seq"):
-                await publisher.publish(m.subject, m.data, headers=m.headers, msg_id=m.msg_id)
-
-        async def mf_many() -> None:
-            await publisher.publish_many(messages(n, "mf_many"), max_in_flight=IN_FLIGHT)
-
-        broker = NatsBroker(server.url, logger=None)
-        await broker.connect()
-
-        async def fs_seq() -> None:
-            for m in messages(n, "fs_seq"):
-                await broker.publish(m.data, m.subject, headers=m.headers, stream="FS_SEQ")
-
-        rows = [
-            ("nats-py sequential", await timed(raw_seq)),
-            ("FastStream sequential", await timed(fs_seq)),
-            ("MeshForge publish (sequential)", await timed(mf_seq)),
-            (f"nats-py pipelined ({IN_FLIGHT} in flight)", await timed(raw_pipe)),
-            (f"MeshForge publish_many ({IN_FLIGHT} in flight)", await timed(mf_many)),
-        ]
-        for name in ("raw_seq", "raw_pipe", "mf_seq", "mf_many", "fs_seq"):
-            info = await js.stream_info(name.upper())
-            assert info.state.messages == n, f"{name}: stored {info.state.messages} of {n}"
-        await broker.stop()
+        async_js = nc.jetstream(publish_async_max_pending=PENDING)
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(rounds):
+                for variant, figures in (await one_round(js, async_js, n, r, Path(tmp), sync)).items():
+                    runs[variant].append(figures)
         await nc.close()
-    report("publish with PubAck", n, rows, baseline="nats-py sequential")
-    console.print("each variant stored exactly n messages")
+    rate = {v: statistics.median(n / w for w, _ in runs[v]) for v in VARIANTS}
+    cpu = {v: statistics.median(c / n * 1e6 for _, c in runs[v]) for v in VARIANTS}
+    ratios = {v: statistics.median((n / w) / (n / b[0]) for (w, _), b in zip(runs[v], runs["publish_async"], strict=True)) for v in VARIANTS}
+    table = Table(title=f"publish with PubAck: {n:,} messages, median of {rounds} alternating rounds ({machine()})")
+    for col in ("variant", "msgs/s", "client CPU us/msg", "vs publish_async"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for v in VARIANTS:
+        table.add_row(LABELS[v], f"{rate[v]:,.0f}", f"{cpu[v]:.0f}", f"{ratios[v]:.2f}x")
+    console.print(table)
+    console.print("each variant stored exactly n messages; ratio = median of the per-round ratios;"
+                  f" outbox store: SQLite, synchronous={sync}")
+    floor("S0", "publish_many vs nats-py publish_async", f"{ratios['publish_many']:.2f}x", ">= 0.9x", met=ratios["publish_many"] >= 0.9)
+    floor("S0", "outbox (enqueue + relay) vs publish_async", f"{ratios['outbox']:.2f}x", ">= 0.5x", met=ratios["outbox"] >= 0.5,
+          note=f"relay alone {ratios['relay']:.2f}x; SQLite synchronous={sync}")  # fmt: skip
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--n", type=int, default=20_000)
-    parser.add_argument("--quick", action="store_true", help="n = 2,000")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--sync", choices=("full", "normal"), default="full", help="the outbox store's SQLite synchronous")
+    parser.add_argument("--quick", action="store_true", help="n = 2,000, 3 rounds")
     args = parser.parse_args()
-    asyncio.run(main(2_000 if args.quick else args.n))
+    asyncio.run(main(2_000 if args.quick else args.n, 3 if args.quick else args.rounds, args.sync))

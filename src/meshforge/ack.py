@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING
 
 from nats.errors import MsgAlreadyAckdError
 
-from meshforge.decisions import REASON_MAX_DELIVERIES, Action, Decision, Delivery, backoff_delay
+from meshforge.decisions import (
+    REASON_MALFORMED,
+    REASON_MAX_DELIVERIES,
+    REASON_REJECTED,
+    Action,
+    Decision,
+    Delivery,
+    backoff_delay,
+)
 from meshforge.errors import one_line
 from meshforge.faults import crash_point
 from meshforge.observability import Metrics
@@ -38,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["DEAD_LETTER_RETRY_DELAY", "Acker"]
 
 log = logging.getLogger("meshforge.consumer")
+
+_REFUSED_AT_ADMISSION = frozenset({REASON_MALFORMED, REASON_REJECTED})
 
 #: Nak delay when a dead letter could not be published and there is no backoff schedule.
 DEAD_LETTER_RETRY_DELAY = 1.0
@@ -140,7 +150,11 @@ class Acker:
         self._dead.labels(consumer=self.consumer, reason=reason).inc()
         if reason == REASON_MAX_DELIVERIES:
             self._exhausted.inc()
-        log.warning(
+        # Seed 000: a command that will never be applied is CRITICAL. Input refused at the
+        # door (malformed, rejected) is WARNING, so hostile traffic cannot flood that level.
+        level = logging.WARNING if reason in _REFUSED_AT_ADMISSION else logging.CRITICAL
+        log.log(
+            level,
             "dead-lettered %s seq %d as %s: %s",
             delivery.subject,
             delivery.seq,

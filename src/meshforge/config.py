@@ -40,6 +40,7 @@ __all__ = [
     "load_settings",
     "parse_backoff",
     "parse_duration",
+    "redelivery_span",
 ]
 
 ENV_PREFIX = "MESHFORGE_"
@@ -72,11 +73,14 @@ class Settings:
     backoff: tuple[float, ...] = (1.0, 5.0, 10.0, 30.0)
     duplicate_window: float = 120.0
     replicas: int = 1
+    consumer_replicas: int | None = None  # None: as many as the streams; 0: inherit (nats' own rule)
     storage: Literal["file", "memory"] = "file"
     max_age: float = 0.0
     max_bytes: int = -1
     batch_size: int = 64
     concurrency: int = 8
+    partitions: int = 0
+    partition_lease: float = 6.0
     publish_timeout: float = 5.0
     publish_attempts: int = 5
     publish_backoff_base: float = 0.1
@@ -88,6 +92,8 @@ class Settings:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     inbox_retention: float = 7 * 86400.0
+    effect_retention: float = 7 * 86400.0
+    retention_interval: float = 3600.0
     outbox_retention: float = 86400.0
     reply_retention: float = 30 * 86400.0
     log_level: str = "INFO"
@@ -284,11 +290,14 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "backoff": _delays,
     "duplicate_window": _duration(positive=True),
     "replicas": _int_between(1, 5),
+    "consumer_replicas": _int_between(0, 5),
     "storage": _choice("file", "memory"),
     "max_age": _duration(positive=False),
     "max_bytes": _int_at_least(1, minus_one=True),
     "batch_size": _int_at_least(1),
     "concurrency": _int_at_least(1),
+    "partitions": _int_between(0, 1024),
+    "partition_lease": _duration(positive=True),
     "publish_timeout": _duration(positive=True),
     "publish_attempts": _int_at_least(1),
     "publish_backoff_base": _duration(positive=True),
@@ -300,6 +309,8 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "metrics_port": _int_between(0, 65535),
     "metrics_host": _text,
     "inbox_retention": _duration(positive=False),
+    "effect_retention": _duration(positive=False),
+    "retention_interval": _duration(positive=True),
     "outbox_retention": _duration(positive=False),
     "reply_retention": _duration(positive=False),
     "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", upper=True),
@@ -425,11 +436,25 @@ def _parse(key: str, raw: object, label: str) -> object:
     return _parse_with(_PARSERS[key], raw, label, key)
 
 
+def redelivery_span(s: Settings) -> float:
+    """The longest a command can keep being redelivered: every ack wait plus every backoff."""
+    delays = list(s.backoff[: max(0, s.max_deliver - 1)])
+    delays += [s.backoff[-1] if s.backoff else 0.0] * (max(0, s.max_deliver - 1) - len(delays))
+    return s.max_deliver * s.ack_wait + sum(delays)
+
+
 def _check_together(s: Settings) -> None:
     """Rules that tie two settings together (the server enforces some of them)."""
     if s.max_age and s.duplicate_window > s.max_age:
         raise ConfigError(
             f"duplicate_window: expected at most max_age ({s.max_age:g}s), got {s.duplicate_window:g}s"
+        )
+    span = redelivery_span(s)
+    if s.effect_retention and s.effect_retention < max(s.duplicate_window, span):
+        raise ConfigError(
+            f"effect_retention: expected 0 (keep forever) or at least {max(s.duplicate_window, span):g}s"
+            f" (the duplicate window, {s.duplicate_window:g}s, and the redelivery span, {span:g}s),"
+            f" got {s.effect_retention:g}s"
         )
     if s.publish_backoff_cap < s.publish_backoff_base:
         raise ConfigError(

@@ -84,7 +84,7 @@ class OutboxRelay:
         publisher: Publisher,
         *,
         relay_id: str | None = None,
-        batch_size: int = 100,
+        batch_size: int = 500,
         lease_seconds: float = 30.0,
         idle: float = 1.0,
         retention: float | None = None,
@@ -121,6 +121,7 @@ class OutboxRelay:
         self._done.set()
         self._next_depth = 0.0
         self._next_cleanup = 0.0
+        self._marking: asyncio.Future[int] | None = None
 
     # ------------------------------------------------------------------ control
     def notify(self) -> None:
@@ -135,33 +136,54 @@ class OutboxRelay:
             await asyncio.wait_for(self._done.wait(), timeout)
 
     async def run(self) -> None:
-        """Publish due rows until ``stop()``; idle with backoff (up to ``idle`` s) when none."""
+        """Publish due rows until ``stop()``; idle with backoff (up to ``idle`` s) when none.
+
+        While one batch is published the next is claimed in the store thread, so the store
+        and the network work side by side; a claimed batch is always published, also when
+        ``stop()`` comes meanwhile.
+        """
         if not self._done.is_set():
             raise RuntimeError(f"outbox relay {self.relay_id} is already running")
         self._stopping.clear()
         self._done.clear()
         self.pause = pause = _IDLE_START
+        ahead: asyncio.Future[list[OutboxRow]] | None = None
         log.info("outbox relay %s started", self.relay_id)
         try:
-            while not self._stopping.is_set():
+            while not self._stopping.is_set() or ahead is not None:
                 self._wake.clear()  # a notify() from here on ends the coming pause
                 try:
-                    await self.run_once()
+                    rows = await (ahead if ahead is not None else self._claim())
+                    ahead = None
+                    self._claimed = len(rows)
+                    if len(rows) >= self.batch_size and not self._stopping.is_set():
+                        ahead = self._claim()  # more are probably due
+                    # With a batch coming, its rows are marked sent while the next publishes.
+                    await self._deliver(rows, defer=ahead is not None)
+                    if ahead is None:
+                        await self._settle_marking()
                     await self._housekeeping()
                 except StoreError as exc:
                     if exc.kind == "closed":
                         raise
                     log.warning("outbox relay %s: %s; retrying in %.2fs", self.relay_id, exc, pause)
                     self._claimed = 0
-                if self._claimed >= self.batch_size:
-                    pause = _IDLE_START  # more rows are probably due: go on at once
+                if ahead is not None or self._stopping.is_set():
+                    pause = _IDLE_START
                     continue
                 if self._claimed:
                     pause = _IDLE_START
                 self.pause = pause
                 woken = await self._idle(pause)
                 pause = _IDLE_START if woken else min(pause * 2, self.idle)
+            try:
+                await self._settle_marking()  # left by a store error just before stop()
+            except StoreError as exc:
+                log.warning("outbox relay %s: %s", self.relay_id, exc)
         finally:
+            if ahead is not None:  # only when run() itself was cancelled or failed
+                ahead.cancel()
+            self._marking = None
             self._done.set()
             log.info("outbox relay %s stopped (%d rows sent)", self.relay_id, self.sent_total)
 
@@ -176,14 +198,25 @@ class OutboxRelay:
     # ------------------------------------------------------------------ one batch
     async def run_once(self) -> int:
         """Claim up to ``batch_size`` due rows, publish them, record the outcome; returns rows sent."""
-        rows = await asyncio.to_thread(
-            self.store.outbox_claim, self.relay_id, self.batch_size, self.lease_seconds
-        )
+        rows = await self._claim()
         self._claimed = len(rows)
+        return await self._deliver(rows)
+
+    def _claim(self) -> asyncio.Future[list[OutboxRow]]:
+        return asyncio.ensure_future(
+            asyncio.to_thread(self.store.outbox_claim, self.relay_id, self.batch_size, self.lease_seconds)
+        )
+
+    async def _deliver(self, rows: list[OutboxRow], *, defer: bool = False) -> int:
+        """Publish claimed rows and record the outcome; returns rows sent.
+
+        With ``defer`` the rows are marked sent in the background (one marking at a time;
+        ``_settle_marking`` waits for it), so the caller can publish the next batch.
+        """
         if not rows:
             return 0
         started = time.monotonic()
-        items = [Outbound(r.subject, r.data, dict(r.headers), r.msg_id) for r in rows]
+        items = [Outbound(r.subject, r.data, r.headers, r.msg_id) for r in rows]
         outcomes = await self.publisher.publish_each(items, max_in_flight=self.max_in_flight)
         crash_point("after_publish")
         elapsed = time.monotonic() - started
@@ -199,12 +232,24 @@ class OutboxRelay:
             if isinstance(out, PublishResult)
         ]
         if sent:
-            await asyncio.to_thread(self.store.outbox_mark_sent, sent)
-            self.sent_total += len(sent)
+            await self._settle_marking()
+            self._marking = asyncio.ensure_future(asyncio.to_thread(self._mark_sent, sent))
+            if not defer:
+                await self._settle_marking()
         for row, out in zip(rows, outcomes, strict=True):
             if isinstance(out, PublishError):
                 await self._failed(row, out)
         return len(sent)
+
+    def _mark_sent(self, ids: list[int]) -> int:
+        self.store.outbox_mark_sent(ids)
+        return len(ids)
+
+    async def _settle_marking(self) -> None:
+        """Wait for the rows being marked sent, if any (a store error is raised here)."""
+        marking, self._marking = self._marking, None
+        if marking is not None:
+            self.sent_total += await marking
 
     async def _failed(self, row: OutboxRow, err: PublishError) -> None:
         attempts = row.attempts + 1

@@ -124,12 +124,17 @@ async def plan(
     steps = [_plan_stream(spec, existing, streams) for spec in streams]
     stream_subjects = {name: list(cfg.subjects or []) for name, cfg in existing.items()}
     retention = {name: policy_name(cfg.retention) for name, cfg in existing.items()}
+    replicas = {name: cfg.num_replicas or 1 for name, cfg in existing.items()}
     for stream_spec in streams:
         stream_subjects[stream_spec.name] = list(stream_spec.subjects)
         retention[stream_spec.name] = stream_spec.retention
+        replicas[stream_spec.name] = stream_spec.replicas
     for consumer_spec in consumers:
+        stream_replicas = replicas.get(consumer_spec.stream)
         steps.append(
-            _plan_consumer(consumer_spec, stream_subjects, retention, consumers_now, consumers)
+            _plan_consumer(
+                consumer_spec, stream_subjects, retention, consumers_now, consumers, stream_replicas
+            )
         )
     return Plan(tuple(steps))
 
@@ -177,7 +182,9 @@ def _plan_consumer(
     retention: dict[str, str],
     consumers_now: dict[str, dict[str, ConsumerConfig]],
     planned: Sequence[ConsumerSpec],
+    stream_replicas: int | None = None,
 ) -> Step:
+    """``stream_replicas``: the stream's as planned, what a consumer's replicas 0 follows."""
     def refuse(
         reason: str, *, overlap: bool = False, current: ConsumerConfig | None = None
     ) -> Step:
@@ -215,6 +222,13 @@ def _plan_consumer(
                     f"work-queue stream {spec.stream}",
                     overlap=True,
                 )
+    kind = retention.get(spec.stream)
+    if kind in ("workqueue", "interest") and spec.replicas not in (0, stream_replicas or 0):
+        return refuse(
+            f"replicas {spec.replicas} differ from stream {spec.stream}'s {stream_replicas}: "
+            f"JetStream requires a {kind} stream's consumers to have the stream's replicas "
+            f"(set consumer_replicas to {stream_replicas} or 0)"
+        )
     current = present.get(spec.durable)
     if current is None:
         return Step("consumer", spec, Action.CREATE)
@@ -231,7 +245,10 @@ def _plan_consumer(
             "(its delivery state is lost) and provision again",
             current=current,
         )
-    changes = diff(describe_consumer(current), describe_consumer(spec.config()))
+    changes = diff(
+        describe_consumer(current, stream_replicas),
+        describe_consumer(spec.config(), stream_replicas),
+    )
     refiltered = [c for c in changes if c.field == "filter_subject"]
     if refiltered:
         # Another worker may consume through this filter: rewriting it would strand its messages.
@@ -288,6 +305,7 @@ async def _execute(js: JetStreamManager, step: Step) -> None:
             ack_wait=config.ack_wait,
             max_deliver=config.max_deliver,
             backoff=config.backoff,
+            num_replicas=config.num_replicas,
         )
     await js.add_consumer(spec.stream, config)
 
@@ -366,6 +384,7 @@ async def verify(
     """
     checks: list[tuple[str, str, str | None]] = [("stream", s.name, None) for s in streams]
     checks += [("consumer", c.stream, c.durable) for c in consumers]
+    filters = {c.durable: c.filter_subject for c in consumers}
     present: list[str] = []
     missing: list[str] = []
     missing_streams: set[str] = set()
@@ -400,8 +419,37 @@ async def verify(
             raise TopologyError(f"cannot check {label}: {one_line(exc, 300)}") from exc
         present.append(label)
     if missing:
+        absent = [filters[label.rpartition("/")[2]] for label in missing if label.startswith("consumer ")]
         raise MissingTopology(
-            f"missing JetStream topology: {', '.join(missing)}; run `meshforge provision` "
+            f"missing JetStream topology: {', '.join(missing)}; run `{fix_command(absent)}` "
             "with an account allowed to create them"
         )
     return Verification(tuple(present))
+
+
+def fix_command(consumer_filters: Sequence[str]) -> str:
+    """The ``meshforge provision`` command that creates the streams and these consumers.
+
+    >>> fix_command(["cmd.acme.*.order.>", "control.cmd.lab1.node7"])
+    'meshforge provision --agent order --tenant acme --site lab1 --node node7'
+    """
+    words = ["meshforge", "provision"]
+    agents: list[str] = []
+    bound: dict[str, str] = {}
+    nodes: list[tuple[str, str]] = []
+    for subject in consumer_filters:
+        tokens = subject.split(".")
+        if tokens[0] == "cmd" and len(tokens) >= 5:
+            agents += [tokens[3]] if tokens[3] not in agents else []
+            for flag, token in (("--tenant", tokens[1]), ("--namespace", tokens[2])):
+                if token != "*":
+                    bound[flag] = token
+        elif tokens[:2] == ["control", "cmd"] and len(tokens) == 4:
+            nodes.append((tokens[2], tokens[3]))
+    for agent in agents:
+        words += ["--agent", agent]
+    for flag, token in bound.items():
+        words += [flag, token]
+    for site in dict.fromkeys(site for site, _ in nodes):
+        words += ["--site", site] + [w for s, n in nodes if s == site for w in ("--node", n)]
+    return " ".join(words)

@@ -21,12 +21,13 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
+import time
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -55,6 +56,16 @@ _ERR_STREAM_MISMATCH = 10060
 _ERR_STORE_FAILED = 10077
 
 
+@functools.lru_cache(maxsize=4096)
+def _subject_ok(subject: str) -> bool:
+    """Whether ``subject`` may be published to; cached, as a batch repeats few subjects."""
+    try:
+        validate_subject(subject)
+    except InvalidSubject:
+        return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class PublishResult:
     """The PubAck of one message: where it is stored and whether it was a duplicate."""
@@ -74,7 +85,8 @@ def _permission_denied(js: JetStreamContext, subject: str) -> str | None:
     nc = getattr(js, "_nc", None)
     err = getattr(nc, "last_error", None) if nc is not None else None
     text = str(err) if err is not None else ""
-    if "permissions violation for publish" in text.lower() and f'"{subject}"' in text:
+    # nats-py lower-cases the server's -ERR text, subject included.
+    if "permissions violation for publish" in text.lower() and f'"{subject.lower()}"' in text.lower():
         return text.removeprefix("nats: ")
     return None
 
@@ -163,6 +175,54 @@ def _classify_api(exc: nats.js.errors.APIError, subject: str) -> PublishError:
     return PublishError(what, kind="rejected")
 
 
+async def _settled(fut: asyncio.Future[PubAck]) -> None:
+    """Wait until ``fut`` is done, whatever its outcome (the caller reads it later)."""
+    try:
+        await fut
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # this task is being cancelled, not just the future
+    except Exception:  # the outcome is read from the future afterwards
+        pass
+
+
+class _Watchdog:
+    """Fails each PubAck future not done ``timeout`` seconds after its message left.
+
+    One timer for a whole pipeline, moved along to the oldest open message's deadline.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.futures: list[asyncio.Future[PubAck] | None] = []
+        self.sent_at: list[float] = []
+        self._head = 0
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(timeout, self._check)
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        futures, sent_at = self.futures, self.sent_at
+        while self._head < len(futures):
+            fut = futures[self._head]
+            if fut is not None and not fut.done():
+                if sent_at[self._head] + self.timeout > now:
+                    break
+                # Failing the future also frees its place in nats-py's pending PubAcks.
+                fut.set_exception(nats.errors.TimeoutError())
+            self._head += 1
+        wait = self.timeout
+        if self._head < len(futures):
+            wait = max(0.0, sent_at[self._head] + self.timeout - now)
+        self._timer = self._loop.call_later(wait, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class Publisher:
     """Publishes envelopes or bytes and waits for the PubAck; retries what may succeed.
 
@@ -241,7 +301,7 @@ class Publisher:
         """
         outcomes = await self.publish_each(items, max_in_flight=max_in_flight)
         for index, outcome in enumerate(outcomes):
-            if isinstance(outcome, PublishError):
+            if type(outcome) is not PublishResult and isinstance(outcome, PublishError):
                 failed = sum(isinstance(o, PublishError) for o in outcomes)
                 raise PublishError(
                     f"message {index} of {len(outcomes)} (msg id {items[index].msg_id!r}) failed"
@@ -249,7 +309,7 @@ class Publisher:
                     kind=outcome.kind,
                     retriable=outcome.retriable,
                 ) from outcome
-        return [o for o in outcomes if isinstance(o, PublishResult)]
+        return outcomes  # type: ignore[return-value]  # no PublishError among them
 
     async def publish_each(
         self, items: Sequence[Outbound], *, max_in_flight: int = 256
@@ -266,17 +326,29 @@ class Publisher:
         ready: list[Outbound] = []
         pending: list[int] = []
         limits = self.limits()
+        good = {subject for subject in {item.subject for item in items} if _subject_ok(subject)}
         for index, item in enumerate(items):
             try:
-                ready.append(
-                    self._outbound(item.subject, item.data, item.headers, item.msg_id, limits)
-                )
+                # A bytes item that already carries its id and a checked subject goes as is.
+                if (
+                    item.subject in good
+                    and type(item.data) is bytes
+                    and item.msg_id
+                    and item.headers.get(H_MSG_ID) == item.msg_id
+                ):
+                    check_fits(item.subject, item.data, item.headers, limits)
+                    ready.append(item)
+                else:
+                    ready.append(
+                        self._outbound(item.subject, item.data, item.headers, item.msg_id, limits)
+                    )
                 pending.append(index)
             except PublishError as refused:
                 self._failed(refused, 0)
                 outcomes[index] = refused
                 ready.append(item)
         attempts = [0] * len(items)
+        stored: dict[str, int] = {}  # stream -> messages stored, counted once per call
         round_ = 0
         while pending:
             round_ += 1
@@ -285,7 +357,14 @@ class Publisher:
             for index, answer in zip(pending, answers, strict=True):
                 attempts[index] += 1
                 if isinstance(answer, PubAck):
-                    outcomes[index] = self._succeeded(answer, ready[index].msg_id)
+                    duplicate = bool(answer.duplicate)
+                    if not duplicate:
+                        stored[answer.stream] = stored.get(answer.stream, 0) + 1
+                    else:
+                        self.metrics.publish_duplicates.labels(stream=answer.stream).inc()
+                    outcomes[index] = PublishResult(
+                        answer.stream, answer.seq, duplicate, ready[index].msg_id
+                    )
                     continue
                 err = classify(answer, ready[index].subject, self.js)
                 if self._retry(err, attempts[index]):
@@ -297,62 +376,63 @@ class Publisher:
             if pending:
                 log.debug("retrying %d of %d messages (round %d)", len(pending), len(items), round_)
                 await asyncio.sleep(self._delay(round_))  # backoff before the next round
+        for stream, count in stored.items():
+            self.metrics.published.labels(stream=stream).inc(count)
         return [o for o in outcomes if o is not None]
 
     async def _pipeline(
         self, items: Sequence[Outbound], max_in_flight: int
     ) -> list[PubAck | BaseException]:
-        """Send every item in order with at most ``max_in_flight`` PubAcks outstanding."""
-        loop = asyncio.get_running_loop()
-        timeout = self.settings.publish_timeout
-        slots = asyncio.Semaphore(max_in_flight)
-        waiting: list[asyncio.Future[PubAck] | BaseException] = []
+        """Send every item in order with at most ``max_in_flight`` PubAcks outstanding.
 
-        def expire(fut: asyncio.Future[PubAck]) -> None:
-            if not fut.done():
-                fut.set_exception(nats.errors.TimeoutError())
-
-        def settled(timer: asyncio.TimerHandle) -> Any:
-            def done(_: asyncio.Future[PubAck]) -> None:
-                timer.cancel()
-                slots.release()
-
-            return done
-
+        Before sending message ``i`` it waits for message ``i - max_in_flight``: PubAcks
+        come back in order, so this costs nothing until the window is full, and there is
+        no semaphore, timer or callback per message. One watchdog fails a PubAck not back
+        ``publish_timeout`` after its message left as a timeout.
+        """
+        publish = self.js.publish_async
+        clock = time.monotonic
+        watch = _Watchdog(self.settings.publish_timeout)
+        futures, sent_at = watch.futures, watch.sent_at
+        refused: dict[int, BaseException] = {}
+        stamp = clock()
         try:
-            for item in items:
-                await slots.acquire()
+            for index, item in enumerate(items):
+                if index >= max_in_flight:
+                    oldest = futures[index - max_in_flight]
+                    if oldest is not None and not oldest.done():
+                        await _settled(oldest)
+                        stamp = clock()
+                if not index & 63:
+                    stamp = clock()  # a clock read per 64 messages is close enough
                 try:
-                    fut = await self.js.publish_async(
-                        item.subject, item.data, headers=dict(item.headers)
-                    )
+                    fut = await publish(item.subject, item.data, headers=item.headers)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # refused before sending (size, connection state)
-                    slots.release()
-                    waiting.append(exc)
-                    continue
-                # One timer per message is far cheaper than one task per message.
-                timer = loop.call_later(timeout, expire, fut)
-                fut.add_done_callback(settled(timer))
-                waiting.append(fut)
-            futures = [w for w in waiting if isinstance(w, asyncio.Future)]
-            if futures:
-                await asyncio.wait(futures)
+                    refused[index] = exc
+                    fut = None
+                futures.append(fut)
+                sent_at.append(stamp)
+            for waiting in futures:
+                if waiting is not None and not waiting.done():
+                    await _settled(waiting)
         except asyncio.CancelledError:
-            for w in waiting:
-                if isinstance(w, asyncio.Future):
-                    w.cancel()
+            for waiting in futures:
+                if waiting is not None:
+                    waiting.cancel()
             raise
+        finally:
+            watch.close()
         answers: list[PubAck | BaseException] = []
-        for w in waiting:
-            if isinstance(w, BaseException):
-                answers.append(w)
-            elif w.cancelled():
+        for index, waiting in enumerate(futures):
+            if waiting is None:
+                answers.append(refused[index])
+            elif waiting.cancelled():
                 answers.append(nats.errors.TimeoutError())
             else:
-                error = w.exception()
-                answers.append(error if error is not None else w.result())
+                error = waiting.exception()
+                answers.append(error if error is not None else waiting.result())
         return answers
 
     # ------------------------------------------------------------------ sizes
@@ -427,7 +507,14 @@ class Publisher:
 
     def _limit(self, kind: str) -> int:
         attempts = max(1, self.settings.publish_attempts)
-        return min(attempts, NO_STREAM_ATTEMPTS) if kind == "no_stream" else attempts
+        if kind == "no_stream" and not self._clustered():
+            return min(attempts, NO_STREAM_ATTEMPTS)
+        return attempts
+
+    def _clustered(self) -> bool:
+        """Connected to a cluster, where "no responders" is also a stream electing its leader."""
+        info = getattr(getattr(self.js, "_nc", None), "_server_info", None)
+        return isinstance(info, dict) and bool(info.get("cluster"))
 
     def _retry(self, err: PublishError, attempt: int) -> bool:
         if not err.retriable or attempt >= self._limit(err.kind):

@@ -29,10 +29,13 @@ class Scope:
 
     @classmethod
     def of_subject(cls, subject: str | None) -> Scope | None:
-        """The scope of a ``cmd.``/``evt.`` subject of five tokens, else None."""
+        """The scope of a ``cmd.``/``evt.`` subject of five tokens (a command: or six, the
+        sixth its partition), else None."""
         if not subject:
             return None
         tokens = subject.split(".")
+        if len(tokens) == 6 and tokens[0] == "cmd" and tokens[5].isascii() and tokens[5].isdigit():
+            tokens = tokens[:5]  # a partitioned command: same scope as unpartitioned
         if len(tokens) != 5 or tokens[0] not in _SCOPED_PREFIXES or not tokens[1] or not tokens[2]:
             return None
         return cls(tokens[1], tokens[2])

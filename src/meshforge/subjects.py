@@ -24,6 +24,7 @@ __all__ = [
     "STREAM_EVENTS",
     "STREAM_FAILED",
     "STREAM_REPLIES",
+    "command_parts",
     "command_subject",
     "control_command_subject",
     "control_reply_subject",
@@ -33,6 +34,7 @@ __all__ = [
     "matches",
     "original_of_dead_letter",
     "overlaps",
+    "partitioned_command_subject",
     "validate_subject",
     "validate_token",
 ]
@@ -95,6 +97,40 @@ def _build(*tokens: str) -> str:
 def command_subject(tenant: str, namespace: str, agent: str, command: str) -> str:
     """``cmd.<tenant>.<namespace>.<agent>.<command>``."""
     return _build("cmd", tenant, namespace, agent, command)
+
+
+def partitioned_command_subject(
+    tenant: str, namespace: str, agent: str, command: str, partition: int
+) -> str:
+    """``cmd.<tenant>.<namespace>.<agent>.<command>.<partition>``: a command to a partitioned agent.
+
+    >>> partitioned_command_subject("default", "demo", "order", "create", 3)
+    'cmd.default.demo.order.create.3'
+    """
+    if isinstance(partition, bool) or not isinstance(partition, int) or partition < 0:
+        raise InvalidSubject(f"invalid partition {partition!r}: expected an integer >= 0")
+    return _build("cmd", tenant, namespace, agent, command, str(partition))
+
+
+def command_parts(subject: str) -> tuple[str, str, str, str, int | None] | None:
+    """``(tenant, namespace, agent, command, partition)`` of a command subject, else None.
+
+    A command subject has five tokens, or six when the sixth is its partition (digits).
+
+    >>> command_parts("cmd.default.demo.order.create.3")
+    ('default', 'demo', 'order', 'create', 3)
+    >>> command_parts("cmd.default.demo.order.create")
+    ('default', 'demo', 'order', 'create', None)
+    """
+    tokens = subject.split(".")
+    if tokens[0] != "cmd" or len(tokens) not in (5, 6) or not all(tokens[1:5]):
+        return None
+    partition: int | None = None
+    if len(tokens) == 6:
+        if not tokens[5].isascii() or not tokens[5].isdigit():
+            return None
+        partition = int(tokens[5])
+    return tokens[1], tokens[2], tokens[3], tokens[4], partition
 
 
 def event_subject(tenant: str, namespace: str, agent: str, event: str) -> str:

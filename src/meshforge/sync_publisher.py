@@ -54,7 +54,9 @@ def envelope_for(subject: str, payload: Mapping[str, Any], *, source: str = "mes
             f"cannot derive a type from subject {subject!r}: publish an Envelope, or use a "
             "cmd.<tenant>.<ns>.<agent>.<command> or evt.<tenant>.<ns>.<agent>.<event> subject"
         )
-    return Envelope.new(f"{tokens[3]}.{'.'.join(tokens[4:])}", payload, source=source, tenant_id=tokens[1])
+    # A partitioned command's sixth token is its partition, not part of the type.
+    verb = tokens[4] if tokens[0] == "cmd" and len(tokens) == 6 and tokens[5].isdigit() else ".".join(tokens[4:])
+    return Envelope.new(f"{tokens[3]}.{verb}", payload, source=source, tenant_id=tokens[1])
 
 
 class SyncPublisher:

@@ -58,9 +58,11 @@ __all__ = [
     "agent_consumer",
     "agent_durable",
     "apply",
+    "consumer_replicas",
     "default_streams",
     "ensure",
     "node_consumer",
+    "partition_consumers",
     "plan",
     "verify",
 ]
@@ -125,6 +127,7 @@ class ConsumerSpec:
     max_deliver: int = -1
     backoff: tuple[float, ...] = ()
     description: str = ""
+    replicas: int = 0  # 0: as many as the stream (the server's rule)
 
     def __post_init__(self) -> None:
         validate_subject(self.filter_subject, wildcards=True)
@@ -156,6 +159,7 @@ class ConsumerSpec:
             ack_wait=self.effective_ack_wait,
             max_deliver=self.max_deliver,
             backoff=list(self.backoff) or None,
+            num_replicas=self.replicas,
         )
 
 
@@ -191,6 +195,15 @@ def default_streams(settings: Settings) -> list[StreamSpec]:
     ]
 
 
+def consumer_replicas(settings: Settings) -> int:
+    """Replicas of the agent and node consumers: ``consumer_replicas``, else the streams'.
+
+    >>> consumer_replicas(Settings(replicas=3)), consumer_replicas(Settings(replicas=3, consumer_replicas=0))
+    (3, 0)
+    """
+    return settings.replicas if settings.consumer_replicas is None else settings.consumer_replicas
+
+
 def agent_durable(agent: str, tenant: str = "*", namespace: str = "*") -> str:
     """The durable name of an agent's consumer for a tenant and namespace (``*``: any)."""
     if tenant == "*" and namespace == "*":
@@ -217,21 +230,76 @@ def agent_consumer(
     >>> agent_consumer("order", Settings(), tenant="acme").durable
     'order_consumer_acme_all'
     """
+    tenant, namespace = _binding(agent, settings, tenant, namespace)
+    return _command_consumer(
+        agent, settings, agent_durable(agent, tenant, namespace),
+        f"cmd.{tenant}.{namespace}.{agent}.>", f"MeshForge agent {agent}",
+    )  # fmt: skip
+
+
+def partition_consumers(
+    agent: str,
+    settings: Settings,
+    tenant: str | None = None,
+    namespace: str | None = None,
+    partitions: int | None = None,
+) -> dict[str, ConsumerSpec]:
+    """The durables of a partitioned agent, by slot: ``p0`` ... ``p<N-1>`` and ``u``.
+
+    Partition ``k`` is ``<durable>_p<k>`` filtered ``cmd.<t>.<ns>.<agent>.*.<k>``; slot
+    ``u`` is ``<durable>_unpartitioned`` filtered ``cmd.<t>.<ns>.<agent>.*`` (five tokens,
+    for publishers that do not partition). The filters are disjoint, as a work-queue
+    stream requires. ``partitions`` defaults to ``settings.partitions``.
+
+    >>> sorted(partition_consumers("order", Settings(), partitions=2))
+    ['p0', 'p1', 'u']
+    >>> partition_consumers("order", Settings(), partitions=2)["p1"].filter_subject
+    'cmd.*.*.order.*.1'
+    """
+    count = settings.partitions if partitions is None else partitions
+    if count < 1:
+        raise TopologyError(f"agent {agent}: partitions must be >= 1 to partition, got {count}")
+    tenant, namespace = _binding(agent, settings, tenant, namespace)
+    base = agent_durable(agent, tenant, namespace)
+    prefix = f"cmd.{tenant}.{namespace}.{agent}.*"
+    specs = {
+        f"p{k}": _command_consumer(
+            agent, settings, f"{base}_p{k}", f"{prefix}.{k}", f"MeshForge agent {agent} partition {k}"
+        )
+        for k in range(count)
+    }
+    specs["u"] = _command_consumer(
+        agent, settings, f"{base}_unpartitioned", prefix, f"MeshForge agent {agent} unpartitioned"
+    )
+    return specs
+
+
+def _binding(
+    agent: str, settings: Settings, tenant: str | None, namespace: str | None
+) -> tuple[str, str]:
+    """The tenant and namespace a worker is bound to (``*``: any), validated."""
     validate_token(agent, "agent name")
     tenant = tenant or settings.tenant
     namespace = namespace or settings.namespace
     tenant = validate_token(tenant, "tenant") if tenant else "*"
     namespace = validate_token(namespace, "namespace") if namespace else "*"
+    return tenant, namespace
+
+
+def _command_consumer(
+    agent: str, settings: Settings, durable: str, filter_subject: str, description: str
+) -> ConsumerSpec:
     max_deliver = settings.max_deliver + 1
     return ConsumerSpec(
         stream=STREAM_COMMANDS,
-        durable=agent_durable(agent, tenant, namespace),
-        filter_subject=f"cmd.{tenant}.{namespace}.{agent}.>",
+        durable=durable,
+        filter_subject=filter_subject,
         ack_wait=settings.ack_wait,
         max_deliver=max_deliver,
         # Server rule: fewer backoff entries than MaxDeliver; the tail would never be used.
         backoff=settings.backoff[: max_deliver - 1],
-        description=f"MeshForge agent {agent}",
+        description=description,
+        replicas=consumer_replicas(settings),
     )
 
 
@@ -251,6 +319,7 @@ def node_consumer(site: str, node: str, settings: Settings) -> ConsumerSpec:
         max_deliver=-1,
         backoff=(),
         description=f"MeshForge node {site}.{node}",
+        replicas=consumer_replicas(settings),
     )
 
 
@@ -384,15 +453,21 @@ def describe_stream(cfg: StreamConfig) -> dict[str, str]:
     }
 
 
-def describe_consumer(cfg: ConsumerConfig) -> dict[str, str]:
-    """The fields provisioning manages, as shown in plans; equal views mean no change."""
+def describe_consumer(cfg: ConsumerConfig, stream_replicas: int | None = None) -> dict[str, str]:
+    """The fields provisioning manages, as shown in plans; equal views mean no change.
+
+    Replicas 0 means "as the stream": with ``stream_replicas`` known it shows that number,
+    so a consumer that inherits 3 and one set to 3 compare equal.
+    """
     filters = [cfg.filter_subject] if cfg.filter_subject else list(cfg.filter_subjects or [])
     max_deliver = cfg.max_deliver if cfg.max_deliver is not None else -1
+    replicas = cfg.num_replicas or stream_replicas
     return {
         "filter_subject": ", ".join(filters) or "(all)",
         "ack_wait": format_duration(cfg.ack_wait),
         "max_deliver": str(max_deliver) if max_deliver > 0 else "unlimited",
         "backoff": ",".join(format_duration(b) for b in cfg.backoff or []) or "none",
+        "replicas": str(replicas) if replicas else "as stream",
     }
 
 
@@ -404,6 +479,8 @@ def summarize(spec: StreamSpec | ConsumerSpec) -> str:
             del view["replicas"]
     else:
         view = describe_consumer(spec.config())
+        if view["replicas"] in ("1", "as stream"):
+            del view["replicas"]
     return "; ".join(f"{k} {v}" for k, v in view.items() if v not in ("unlimited", "none"))
 
 

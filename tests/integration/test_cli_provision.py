@@ -101,7 +101,9 @@ def test_provision_twice_reports_no_changes_the_second_time(
     assert "no changes" in second.output
     assert "create" not in second.output and second.output.count("unchanged") == 8
     topology = server_topology(nats_url)
-    assert sorted(topology) == sorted(NAMES)
+    # With a node, the presence bucket its node announces itself in (a KV stream).
+    assert "presence bucket MESHFORGE_NODES ready" in first.output
+    assert sorted(topology) == sorted([*NAMES, "KV_MESHFORGE_NODES"])
     assert topology["MESHFORGE_COMMANDS"] == ["inventory_consumer", "order_consumer"]
     assert topology["MESHFORGE_CONTROL"] == ["node_lab1_node7"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import pytest
@@ -214,8 +215,9 @@ class DomainError(Exception):
     ],
 )
 async def test_poison_classes_land_with_their_reason(
-    conn: Connection, js: JetStreamContext, error: Exception, reason: str
-) -> None:
+    conn: Connection, js: JetStreamContext, error: Exception, reason: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
     s = settings()
     agent, metrics = unique_agent(), Metrics()
     spec = agent_consumer(agent, s)
@@ -242,6 +244,9 @@ async def test_poison_classes_land_with_their_reason(
     assert letter.headers[H_DLQ_ERROR] == f"{type(error).__name__}: {error}"
     assert letter.headers[H_MSG_ID] == env.id  # original headers untouched
     assert letter.data == env.encode()
+    # A command that will never be applied is CRITICAL (seed 000); one refused at the door is not.
+    [logged] = [r for r in caplog.records if r.getMessage().startswith("dead-lettered")]
+    assert logged.levelno == (logging.WARNING if reason == "rejected" else logging.CRITICAL)
 
 
 async def test_max_deliver_exhaustion_gives_exactly_one_dead_letter(

@@ -112,7 +112,11 @@ async def test_command_sent_while_node_is_down_runs_when_it_starts(
 
     after = await ctl.status(site, "n1")
     assert after.epoch == 1 and after.alive and after.consumer_exists
-    assert after.mailbox_depth == 0
+
+    async def acked() -> bool:  # the reply goes out before the ack: the mailbox empties just after
+        return (await ctl.status(site, "n1")).mailbox_depth == 0
+
+    await wait_until(acked, 20, "the command to leave the mailbox")
     assert await reply_count(conn.js, control_reply_subject(site, "n1")) == 1
 
     node.stop()  # graceful: its last announcement says so

@@ -17,6 +17,7 @@ from meshforge.cli import app
 from meshforge.cli.demo_support import AgentProcess, meshforge_command
 from meshforge.demo import InventoryAgent, OrderAgent
 from meshforge.envelope import Envelope, derive_id
+from meshforge.errors import ConfigError
 from meshforge.publisher import Publisher
 from meshforge.runtime.agent import derive_uuid
 from meshforge.runtime.worker import import_from_cwd, load_agent
@@ -114,6 +115,16 @@ async def test_meshforge_run_and_replay_from_the_command_line(private_server: Em
     assert report["events"] == 5 and report["mismatched"] == []
     assert report["snapshot_hash"] == report["stored_hash"]
 
+    # A misspelt agent, tenant or store is an error naming what there is; nothing is created.
+    misspelt = CliRunner().invoke(app, ["replay", "ordr", "--store", store])
+    assert isinstance(misspelt.exception, ConfigError) and "agents with events: order" in str(misspelt.exception)
+    elsewhere = CliRunner().invoke(app, ["replay", "order", "--store", store, "--tenant", "acme"])
+    assert isinstance(elsewhere.exception, ConfigError) and "default/demo" in str(elsewhere.exception)
+    missing = tmp_path / "nowhere" / "store.db"
+    absent = CliRunner().invoke(app, ["replay", "order", "--store", f"sqlite:///{missing}"])
+    assert isinstance(absent.exception, ConfigError) and str(missing) in str(absent.exception)
+    assert not missing.parent.exists()
+
 
 def test_meshforge_run_refuses_a_bad_agent_in_one_line(tmp_path: Path) -> None:
     for spec, words in (("nomodule", "expected MODULE:AGENT"), ("meshforge.demo:Nope", "has no 'Nope'"),
@@ -191,3 +202,23 @@ def test_no_provision_fails_clearly_when_topology_is_missing(private_server: Emb
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "missing JetStream topology" in errors[0], out.stderr
     assert "MESHFORGE_COMMANDS" in errors[0]
+
+
+def test_no_provision_names_the_command_that_creates_what_is_missing(
+    private_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The hint, run as written, creates the tenant-bound consumer the worker needs."""
+    env = {**os.environ, "MESHFORGE_TENANT": "acme"}
+    store = ["--store", f"sqlite:///{tmp_path / 's.db'}"]
+    url = ["--nats-url", private_server.url]
+    out = subprocess.run(
+        meshforge_command("run", "meshforge.demo:OrderAgent", "--no-provision", *url, *store),
+        capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    hint = out.stderr.split("run `", 1)[1].split("`", 1)[0]
+    assert hint == "meshforge provision --agent order --tenant acme", out.stderr
+    fixed = subprocess.run(
+        meshforge_command(*hint.split()[1:], *url), capture_output=True, text=True, timeout=60, check=False
+    )  # fmt: skip
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "order_consumer_acme_all" in fixed.stdout

@@ -263,3 +263,26 @@ async def test_two_relays_on_postgresql_send_each_row_once(
     finally:
         for st in (writer, *stores):
             st.close()
+
+
+async def test_run_claims_ahead_and_still_sends_each_row_once_in_order(
+    streams: JetStreamContext, store: Store, subject: str
+) -> None:
+    batch = envs(1250)
+    for start in range(0, len(batch), 250):
+        with store.transaction() as tx:
+            for env in batch[start : start + 250]:
+                enqueue(tx, subject, env)
+    metrics = Metrics()
+    # Full batches of 200: each next batch is claimed while the one before publishes.
+    relay = OutboxRelay(store, Publisher(streams, settings(), metrics), batch_size=200, idle=0.05)
+    task = asyncio.create_task(relay.run())
+    try:
+        await until(lambda: equals(stored(streams, subject), len(batch)), within=30)
+        await until(lambda: relay.sent_total == len(batch))
+    finally:
+        await relay.stop(timeout=10)
+    assert task.done() and task.exception() is None
+    assert await relay.depth() == 0
+    assert await read_ids(streams, subject) == [e.id for e in batch]
+    assert count(metrics.publish_duplicates, stream=STREAM_EVENTS) == 0

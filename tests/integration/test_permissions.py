@@ -215,8 +215,8 @@ def test_spark_without_stream_info_is_one_line(serve: object) -> None:
     with pytest.raises(Exception) as info:
         _spark_read_and_write(server.url)
     message = str(info.value)
-    # The spark client does not surface the server's -ERR: the line names the denied request.
     assert "\n" not in message and "$JS.API.STREAM.INFO.MESHFORGE_EVENTS" in message, message
+    assert "permissions violation" in message.lower() and "meshforge permissions spark" in message
 
 
 async def test_healthz_without_js_api_info_is_a_permission_violation(serve: object, tmp_path: Path) -> None:

@@ -56,7 +56,8 @@ async def own_subject(streams: JetStreamContext) -> AsyncIterator[str]:
 async def test_envelope_publish_and_duplicate(streams: JetStreamContext, own_subject: str) -> None:
     metrics = Metrics()
     pub = Publisher(streams, settings(), metrics)
-    env = Envelope.new("order.created", {"order_id": "o-1"})
+    # The subject names the tenant: an envelope left at the default is sent as that tenant's.
+    env = Envelope.new("order.created", {"order_id": "o-1"}, tenant_id="pubtest")
     first = await pub.publish(own_subject, env)
     assert (first.stream, first.duplicate, first.msg_id) == (STREAM_EVENTS, False, env.id)
     again = await pub.publish(own_subject, env)
@@ -174,6 +175,10 @@ async def test_permission_denied_is_not_retried(tmp_path: Path) -> None:
             assert isinstance(outcomes[0], PublishError)
             assert outcomes[0].kind == "permission_denied"
             assert count(metrics.publish_retries, kind="permission_denied") == 0
+            # The client lower-cases the server's error: a tenant with capitals is still named.
+            with pytest.raises(PublishError) as info:
+                await pub.publish("cmd.TenantA.demo.order.create", Envelope.new("order.create", {}))
+            assert info.value.kind == "permission_denied"
 
 
 async def test_retries_through_a_server_kill_and_restart(private_server: EmbeddedServer) -> None:

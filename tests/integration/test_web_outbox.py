@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+import ops_support
 import pytest
 
 from meshforge import SyncPublisher
@@ -102,13 +103,18 @@ async def test_requests_write_orders_and_commands_together_and_the_relay_sends_t
     assert note.payload == {"text": "hello"} and note.type == "notes.noted"
     assert await stored(meshforge_connection, STREAM_COMMANDS, wsgi_outbox.RESERVE) == []
 
+    port = ops_support.free_port()
     relay = start("relay", "--store", meshforge_store_url, "--nats-url", meshforge_settings.nats_url or "",
-                  "--idle", "0.1")  # fmt: skip
+                  "--idle", "0.1", "--metrics-port", str(port))  # fmt: skip
     try:
         async def five() -> bool:
             return len(await stored(meshforge_connection, STREAM_COMMANDS, wsgi_outbox.RESERVE)) >= 5
 
         await wait_until(five, timeout=20, what="the relay to publish 5 commands")
+        # The relay has the same health and metrics endpoint as a worker or a node.
+        assert ops_support.status(port, "/readyz") == 200 and ops_support.status(port, "/healthz") == 200
+        published = ops_support.scrape(port)["meshforge_published_total"]
+        assert sum(published.values()) >= 5 and "meshforge_outbox_depth" in ops_support.scrape(port)
         # A request after the relay started is sent too.
         assert post(f"{web}/orders", {"order_id": "o-5", "sku": "B-2", "qty": 1})[0] == 201
 

@@ -141,6 +141,7 @@ async def test_replay_of_dead_letters_goes_to_the_original_subject(
     rows = [
         ("MESHFORGE_FAILED", 1, f"failed.{base}.a", {"Dlq-Reason": "unrecoverable", "Dlq-Original-Subject": f"{base}.a", "Nats-Msg-Id": "m1"}, b"{}"),
         ("MESHFORGE_FAILED", 2, f"failed.{base}.b", {"Dlq-Reason": "malformed", "Nats-Msg-Id": "m2"}, b"x"),
+        ("MESHFORGE_FAILED", 3, "failed.original.MESHFORGE_COMMANDS.7", {"Dlq-Chunk": "1/1"}, b"copy"),
     ]  # fmt: skip
     df = spark.createDataFrame(rows, "stream string, seq long, subject string, headers map<string,string>, data binary")
     result = replay(spark, df, None, nats_url)

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from meshforge.server import EmbeddedServer
+from meshforge.server import DataDirLock, EmbeddedServer
 
 NatsUrl = Annotated[
     str | None,
@@ -78,18 +78,56 @@ def _running_embedded(home: Path) -> str | None:
 
 
 @contextlib.contextmanager
-def embedded_server(home: Path = HOME, port: int | None = None) -> Iterator[EmbeddedServer]:
-    """Start the embedded server with its data under ``home`` and announce its URL there."""
-    server = EmbeddedServer(store_dir=home / "nats", port=port)
-    server.start()
-    marker = home / SERVER_FILE
-    marker.write_text(json.dumps({"pid": server.pid, "url": server.url}))
+def serving_home(home: Path) -> Iterator[DataDirLock]:
+    """Lock ``home`` for the embedded server(s) about to start there (one set-up per home).
+
+    Raises ``ServerError`` naming the running one when another process serves ``home``.
+    """
+    lock = DataDirLock(home).acquire()
     try:
-        yield server
+        yield lock
     finally:
-        with contextlib.suppress(OSError):
-            marker.unlink()
-        server.close()
+        lock.release()
+
+
+@contextlib.contextmanager
+def announced(
+    lock: DataDirLock, pid: int, url: str, *, server_pid: int | None = None
+) -> Iterator[None]:
+    """Write ``home/server.json`` so other commands find the server; remove it only if still ours.
+
+    ``pid`` is the process whose life the URL follows; the lock file names the holder.
+    """
+    holder: dict[str, object] = {"pid": os.getpid(), "url": url}
+    if server_pid is not None:
+        holder["server_pid"] = server_pid
+    lock.record(**holder)
+    marker = lock.directory / SERVER_FILE
+    marker.write_text(json.dumps({"pid": pid, "url": url}))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(marker.read_text()).get("pid") == pid:
+                marker.unlink()
+
+
+@contextlib.contextmanager
+def embedded_server(home: Path = HOME, port: int | None = None) -> Iterator[EmbeddedServer]:
+    """Start the embedded server with its data under ``home`` and announce its URL there.
+
+    ``home`` and the server's store directory are locked: a second server on the same
+    ``home`` raises ``ServerError`` naming the running one, before touching any file.
+    """
+    with serving_home(home) as lock:
+        server = EmbeddedServer(store_dir=home / "nats", port=port)
+        server.start()
+        assert server.pid is not None
+        try:
+            with announced(lock, server.pid, server.url, server_pid=server.pid):
+                yield server
+        finally:
+            server.close()
 
 
 @contextlib.contextmanager

@@ -34,11 +34,28 @@ dlq_app = typer.Typer(
     no_args_is_help=True,
 )
 
+def _dead_letter_pattern(value: str | None) -> str | None:
+    """Dead letters live under ``failed.``: an original subject's pattern is taken as theirs."""
+    if value is None:
+        return None
+    from meshforge.errors import InvalidSubject
+    from meshforge.subjects import DEAD_LETTER_PREFIX, validate_subject
+
+    pattern = value if value.startswith(DEAD_LETTER_PREFIX) else DEAD_LETTER_PREFIX + value
+    try:
+        validate_subject(pattern, wildcards=True)
+    except InvalidSubject as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return pattern
+
+
 SubjectFilter = Annotated[
     str | None,
     typer.Option(
         "--subject",
-        help="Only dead letters on this subject pattern, e.g. 'failed.cmd.*.*.order.>'.",
+        callback=_dead_letter_pattern,
+        help="Only dead letters of this subject pattern, e.g. 'cmd.*.*.order.>' (the"
+        " 'failed.' in front may be left out).",
     ),
 ]
 

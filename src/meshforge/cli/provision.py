@@ -53,6 +53,14 @@ def provision(
             "--agent", metavar="NAME", help="Also provision <NAME>_consumer (repeatable)."
         ),
     ] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option("--tenant", help="The --agent consumers of workers bound to this tenant."),
+    ] = None,
+    namespace: Annotated[
+        str | None,
+        typer.Option("--namespace", help="The --agent consumers of workers bound to this namespace."),
+    ] = None,
     site: Annotated[
         str | None, typer.Option("--site", metavar="SITE", help="The site of the --node names.")
     ] = None,
@@ -62,20 +70,43 @@ def provision(
             "--node", metavar="NODE", help="Also provision node_<SITE>_<NODE> (repeatable)."
         ),
     ] = None,
+    partitions: Annotated[
+        int | None,
+        typer.Option(
+            "--partitions", metavar="N", min=0, max=1024,
+            help="Partition each --agent's commands N ways (env MESHFORGE_PARTITIONS; 0: off).",
+        ),
+    ] = None,
 ) -> None:
     """Create or update the five MeshForge streams, and consumers for --agent / --node.
 
     Streams whose subjects overlap another stream's, or changes JetStream cannot make in
     place (retention, storage), are refused: the plan is printed and nothing is changed.
 
+    With --partitions N (or MESHFORGE_PARTITIONS) each --agent gets N partition durables,
+    one for unpartitioned subjects, and the ownership bucket MESHFORGE_PARTITIONS.
+
     Example: meshforge provision --agent order --agent inventory --site lab1 --node node7 --dry-run
     """
     from meshforge.config import load_settings
-    from meshforge.topology import agent_consumer, default_streams, node_consumer
+    from meshforge.topology import (
+        agent_consumer,
+        default_streams,
+        node_consumer,
+        partition_consumers,
+    )
 
-    settings = load_settings({"nats_url": nats_url})
+    settings = load_settings({"nats_url": nats_url, "partitions": partitions})
     streams = default_streams(settings)
-    consumers = [agent_consumer(name, settings) for name in agent or []]
+    if settings.partitions:
+        # Partition durables (and the ownership bucket) instead of the one agent durable.
+        consumers = [
+            spec
+            for name in agent or []
+            for spec in partition_consumers(name, settings, tenant, namespace).values()
+        ]
+    else:
+        consumers = [agent_consumer(name, settings, tenant, namespace) for name in agent or []]
     consumers += [node_consumer(s, n, settings) for s, n in _site_nodes(site, node or [])]
     with nats_target(settings.nats_url) as url:
         asyncio.run(_provision(url, settings, streams, consumers, dry_run))
@@ -92,6 +123,7 @@ async def _provision(
 
     from meshforge.connection import connect
     from meshforge.provision import apply, plan
+    from meshforge.subjects import STREAM_CONTROL
 
     console = Console()
     async with await connect(settings, url=url, name="meshforge-provision") as conn:
@@ -102,6 +134,17 @@ async def _provision(
             console.print(
                 f"applied {len(report.applied)} change(s)" if report.changed else "no changes"
             )
+            if settings.partitions:
+                from meshforge.partitions import BUCKET, ensure_bucket
+
+                await ensure_bucket(conn.js, settings)
+                console.print(f"partition bucket {BUCKET}: lease {settings.partition_lease:g}s")
+            if any(c.stream == STREAM_CONTROL for c in consumers):
+                # Nodes announce themselves there; a node without API rights cannot make it.
+                from meshforge.control.presence import NODES_BUCKET, nodes_bucket
+
+                await nodes_bucket(conn.js, create=True, replicas=settings.replicas)
+                console.print(f"presence bucket {NODES_BUCKET} ready")
         elif planned.has_changes:
             console.print(f"dry run: {len(planned.pending)} change(s) planned, nothing applied")
         else:

@@ -3,7 +3,9 @@
 JSON is the payload (``{"sku": "A-1"}``) or a whole envelope (an object with ``type``
 and ``payload``). For a payload alone on ``cmd.<tenant>.<ns>.<agent>.<command>`` or
 ``evt.<tenant>.<ns>.<agent>.<event>`` the type is ``<agent>.<command>`` and the tenant
-the subject's. Prints ``stream=... seq=... id=... duplicate=true|false``.
+the subject's. With ``partitions`` set (``MESHFORGE_PARTITIONS``) a five-token command
+subject gets its partition token, by the envelope's ``resource_id`` (else its ``id``).
+Prints ``stream=... seq=... id=... duplicate=true|false`` (and ``subject=...`` when partitioned).
 """
 
 from __future__ import annotations
@@ -53,11 +55,15 @@ def publish(
     except MalformedMessage as exc:
         raise typer.BadParameter(str(exc), param_hint="JSON") from None
     settings = load_settings({"nats_url": nats_url})
+    from meshforge.partitions import partitioned
+
+    subject = partitioned(subject, env, settings)
     with nats_target(settings.nats_url) as url:
         result = asyncio.run(_publish(url, settings, subject, env))
+    shown = f" subject={subject}" if settings.partitions else ""
     typer.echo(
         f"stream={result.stream} seq={result.seq} id={env.id} "
-        f"duplicate={'true' if result.duplicate else 'false'}"
+        f"duplicate={'true' if result.duplicate else 'false'}{shown}"
     )
 
 
@@ -94,8 +100,10 @@ def build_envelope(subject: str, text: str, *, key: str | None, source: str) -> 
             '({"type": ..., "payload": {...}}) or use a cmd.<tenant>.<ns>.<agent>.<command> '
             "or evt.<tenant>.<ns>.<agent>.<event> subject"
         )
+    # A partitioned command's sixth token is its partition, not part of the type.
+    verb = tokens[4] if tokens[0] == "cmd" and len(tokens) == 6 and tokens[5].isdigit() else ".".join(tokens[4:])
     return Envelope.new(
-        f"{tokens[3]}.{'.'.join(tokens[4:])}",
+        f"{tokens[3]}.{verb}",
         value,
         source=source,
         tenant_id=tenant,

@@ -11,16 +11,18 @@ import asyncio
 import contextlib
 import dataclasses
 import signal
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from meshforge.cli.common import NatsUrl, StoreUrl, nats_target
+from meshforge.cli.common import MetricsHost, MetricsPort, NatsUrl, StoreUrl, nats_target
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
 
     from meshforge.config import Settings
+    from meshforge.connection import Connection
     from meshforge.observability import Metrics
     from meshforge.outbox import OutboxRelay
     from meshforge.store.base import Store
@@ -38,6 +40,8 @@ def relay(
     idle: Annotated[
         float, typer.Option("--idle", min=0.05, help="Longest pause (s) between polls of an empty outbox.")
     ] = 1.0,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = None,
     nats_url: NatsUrl = None,
 ) -> None:
     """Publish the store's outbox until SIGINT/SIGTERM (rows sent once each, in id order)."""
@@ -45,7 +49,9 @@ def relay(
     from meshforge.observability import configure_logging
     from meshforge.store import open_store
 
-    settings = load_settings({"store_url": store, "nats_url": nats_url})
+    settings = load_settings(
+        {"store_url": store, "nats_url": nats_url, "metrics_port": metrics_port, "metrics_host": metrics_host}
+    )
     configure_logging(settings.log_level, settings.log_json)
     opened = open_store(settings.store_url)
     try:
@@ -64,15 +70,19 @@ async def run_relay(
     batch_size: int = 100,
     idle: float = 1.0,
     metrics: Metrics | None = None,
+    on_connect: Callable[[Connection], None] | None = None,
 ) -> int:
     """Run an ``OutboxRelay`` on its own connection until ``stop`` is set; returns rows sent.
 
-    ``metrics``: where it counts (e.g. the worker's, so its endpoint shows the outbox depth)."""
+    ``metrics``: where it counts (e.g. the worker's, so its endpoint shows the outbox depth);
+    ``on_connect`` is given the connection once it is up (for health)."""
     from meshforge.connection import connect
     from meshforge.outbox import OutboxRelay
     from meshforge.publisher import Publisher
 
     async with await connect(settings, name="meshforge-relay") as conn:
+        if on_connect is not None:
+            on_connect(conn)
         await _streams(conn.js, settings)
         outbox: OutboxRelay = OutboxRelay(
             store, Publisher(conn.js, settings, metrics), batch_size=batch_size, idle=idle
@@ -101,5 +111,26 @@ async def _relay_until_signal(store: Store, settings: Settings, *, batch_size: i
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    sent = await run_relay(store, settings, stop, batch_size=batch_size, idle=idle)
+    from meshforge.observability import Metrics, serve_http
+
+    metrics = Metrics()
+    conns: list[Connection] = []
+
+    async def health() -> dict[str, Any]:
+        return await conns[0].health() if conns else {"state": "connecting"}
+
+    endpoint = None
+    if settings.metrics_port is not None:
+        # Before connecting, so a port in use fails at once with one line.
+        endpoint = await serve_http(
+            settings.metrics_host, settings.metrics_port, metrics, health,
+            lambda: bool(conns) and conns[0].current_state() == "connected",
+        )  # fmt: skip
+    try:
+        sent = await run_relay(
+            store, settings, stop, batch_size=batch_size, idle=idle, metrics=metrics, on_connect=conns.append
+        )
+    finally:
+        if endpoint is not None:
+            await endpoint.close()
     typer.secho(f"outbox relay stopped: {sent} message(s) sent", err=True, dim=True)

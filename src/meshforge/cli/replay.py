@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from meshforge.cli.common import StoreUrl
+
+if TYPE_CHECKING:
+    from meshforge.scope import Scope
+    from meshforge.store import Store
 
 
 def register(app: typer.Typer) -> None:
@@ -45,7 +49,7 @@ def replay(
     from meshforge.runtime.replay import replay as run_replay
     from meshforge.runtime.worker import import_from_cwd, load_agent
     from meshforge.scope import Scope
-    from meshforge.store import open_store
+    from meshforge.store import open_existing_store
     from meshforge.subjects import validate_token
 
     import_from_cwd()
@@ -58,8 +62,9 @@ def replay(
             validate_token(tenant or "default", "tenant"),
             validate_token(namespace or "default", "namespace"),
         )
-    opened = open_store(settings.store_url)
+    opened = open_existing_store(settings.store_url)
     try:
+        _require_log(opened, name, scope, known_agent=instance is not None)
         result = run_replay(opened, name, instance, scope=scope)
     finally:
         opened.close()
@@ -87,3 +92,19 @@ def replay(
                 typer.echo(f"snapshots: {len(result.mismatched)} differ from the stored state: {shown}")
     if not result.consistent:
         raise typer.Exit(1)
+
+
+def _require_log(store: Store, agent: str, scope: Scope | None, *, known_agent: bool) -> None:
+    """A misspelt agent or tenant is an error naming what the store has, not "0 events"."""
+    from meshforge.errors import ConfigError
+
+    logs = store.logs()
+    if any(a == agent and (scope is None or s == scope) for s, a in logs):
+        return
+    if known_agent and scope is None:
+        return  # a real agent that has not stored an event yet
+    have = ", ".join(sorted({a for _, a in logs})) or "none"
+    if scope is not None and any(a == agent for _, a in logs):
+        scopes = ", ".join(str(s) for s, a in logs if a == agent)
+        raise ConfigError(f"agent {agent!r} has no events for {scope}; it has events for {scopes}")
+    raise ConfigError(f"no events of agent {agent!r} in the store; agents with events: {have}")

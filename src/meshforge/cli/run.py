@@ -49,6 +49,13 @@ def run(
     relay: Annotated[
         bool, typer.Option("--relay", help="Also publish the store's outbox (as `meshforge relay`).")
     ] = False,
+    partitions: Annotated[
+        int | None,
+        typer.Option(
+            "--partitions", metavar="N", min=0, max=1024,
+            help="Split each agent's commands N ways by resource (env MESHFORGE_PARTITIONS; 0: off).",
+        ),
+    ] = None,
 ) -> None:
     """Run one or more agents until SIGINT/SIGTERM.
 
@@ -65,9 +72,12 @@ def run(
             "nats_url": nats_url,
             "provision": False if no_provision else None,
             "metrics_port": metrics_port,
+            "partitions": partitions,
             "metrics_host": metrics_host,
         }
     )
+    if settings.partitions and push:
+        raise typer.BadParameter("partitions need pull consumers: drop --push", param_hint="--partitions")
     if push != (deliver_group is not None):
         raise typer.BadParameter("--push and --deliver-group NAME go together", param_hint="--push")
     if deliver_group is not None:

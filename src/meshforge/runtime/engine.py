@@ -364,7 +364,8 @@ class Engine(Generic[S]):
                     async with asyncio.timeout(self.handler_timeout):
                         outputs = await agent.handle(work.spec, work.env, states[slot])
                 new_state, work.outputs, work.events = build_outputs(
-                    agent, work.env, work.resource, d.subject, outputs, states[slot]
+                    agent, work.env, work.resource, d.subject, outputs, states[slot],
+                    self.settings.partitions,
                 )
             except Exception as exc:
                 # The handler may have changed the state in place: rebuild it.

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from meshforge.envelope import Envelope, Outbound
+from meshforge.partitions import partition_key, partition_subject
 from meshforge.runtime.agent import Agent, Event, Output, Send
 from meshforge.scope import command_scope
 from meshforge.store.base import NewEvent, StoredOutput
@@ -65,10 +66,13 @@ def build_outputs(
     subject: str,
     outputs: Sequence[Output],
     state: S,
+    partitions: int = 0,
 ) -> tuple[S, list[StoredOutput], list[NewEvent]]:
     """The new state, the messages to store and publish, and the events to append.
 
     Every output carries the subject's tenant (a ``Send`` may name another on purpose).
+    With ``partitions`` > 0 (the deployment's setting) a ``Send`` goes to its partition,
+    ``cmd.<t>.<ns>.<agent>.<command>.<p>``, by its resource id (else its own id).
     """
     tenant, namespace = scope_of(subject, cmd)
     stored: list[StoredOutput] = []
@@ -97,6 +101,7 @@ def build_outputs(
                 source=agent.name, resource_type=out.agent, resource_id=out.resource_id,
                 tenant_id=out.tenant or tenant,
             )  # fmt: skip
+            out_subject = partition_subject(out_subject, partition_key(child), partitions)
         else:  # pragma: no cover - Agent.handle already checked the types
             raise TypeError(f"not an output: {out!r}")
         message = Outbound.of(out_subject, child)

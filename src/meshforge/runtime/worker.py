@@ -12,6 +12,11 @@ each command's effect single. A worker bound to a tenant or namespace (``Setting
 ``MESHFORGE_TENANT``; ``namespace``) has its own durable, ``<agent>_consumer_<tenant>_<ns>``;
 it cannot run beside an unbound worker of the same agent, whose filter overlaps its own
 on the work-queue stream: provisioning refuses that, naming both consumers.
+
+With ``partitions = N`` (``MESHFORGE_PARTITIONS``) each agent's commands are split by
+resource over N durables plus one for unpartitioned subjects (``meshforge.partitions``);
+the workers share them out through leases, and each runs one consumer per partition it
+owns, all into the agent's one engine.
 """
 
 from __future__ import annotations
@@ -33,14 +38,23 @@ from meshforge.deadletter import REASONS
 from meshforge.decisions import Decision, Delivery, Handler
 from meshforge.errors import ConfigError, one_line
 from meshforge.observability import HttpEndpoint, Metrics, serve_http
+from meshforge.partitions import Leases, ensure_bucket, lease_of, open_bucket
 from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
 from meshforge.publisher import Publisher
+from meshforge.retention import store_retention
 from meshforge.runtime.agent import Agent
 from meshforge.runtime.engine import Engine
 from meshforge.store import open_store
 from meshforge.store.base import Store
 from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
-from meshforge.topology import agent_consumer, default_streams, ensure, verify
+from meshforge.topology import (
+    ConsumerSpec,
+    agent_consumer,
+    default_streams,
+    ensure,
+    partition_consumers,
+    verify,
+)
 
 __all__ = ["Worker", "import_from_cwd", "load_agent"]
 
@@ -89,6 +103,62 @@ def _one_by_one(engine: Engine[Any]) -> Handler:
     return handle
 
 
+class _Partitions:
+    """Runs the partition durables of one agent that this worker owns, into its one engine."""
+
+    def __init__(
+        self, conn: Connection, specs: dict[str, ConsumerSpec], engine: Engine[Any],
+        publisher: Publisher, settings: Settings, metrics: Metrics,
+    ) -> None:  # fmt: skip
+        self.conn, self.specs, self.engine = conn, specs, engine
+        self.publisher, self.settings, self.metrics = publisher, settings, metrics
+        self.consumers: dict[str, Consumer] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def start(self, slot: str, clean: bool) -> None:
+        consumer = Consumer(
+            self.conn, self.specs[slot], batch_handler=self.engine.handle, settings=self.settings,
+            metrics=self.metrics, publisher=self.publisher, provision=False,
+        )  # fmt: skip
+        self.consumers[slot] = consumer
+        self.tasks[slot] = asyncio.create_task(self._run(slot, consumer, clean))
+
+    async def _run(self, slot: str, consumer: Consumer, clean: bool) -> None:
+        try:
+            if not clean:
+                await self._await_redeliveries(self.specs[slot])
+            await consumer.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if not self.failed.done():
+                self.failed.set_exception(exc)
+
+    async def _await_redeliveries(self, spec: ConsumerSpec) -> None:
+        """A partition taken from a dead owner: let its unacknowledged commands come due
+        first, so they are redelivered before any later command of their resources."""
+        info = await self.conn.js.consumer_info(spec.stream, spec.durable)
+        if not info.num_ack_pending:
+            return
+        cfg = info.config
+        wait = max([*(cfg.backoff or []), cfg.ack_wait or spec.effective_ack_wait])
+        log.info("%s: %d unacknowledged; starting in %gs when they are due again",
+                 spec.durable, info.num_ack_pending, wait)  # fmt: skip
+        await asyncio.sleep(wait)
+
+    async def stop(self, slot: str) -> None:
+        consumer, task = self.consumers.pop(slot, None), self.tasks.pop(slot, None)
+        if consumer is None or task is None:
+            return
+        if consumer.ready.is_set() or task.done():
+            await consumer.stop(self.settings.shutdown_timeout)
+        else:
+            task.cancel()  # still waiting to start: nothing in flight
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 class Worker:
     """Runs one or more agents on one connection and one store until ``stop()``."""
 
@@ -121,6 +191,8 @@ class Worker:
         self._store = store
         self._own_store = store is None
         self._consumers: list[Consumer] = []
+        self._leases: list[Leases] = []
+        self._partitions: list[_Partitions] = []
         self._engines: list[Engine[Any]] = []
         self._stopping = asyncio.Event()
         self._conn: Connection | None = None
@@ -136,6 +208,7 @@ class Worker:
         """
         settings = self.settings
         stop = asyncio.ensure_future(self._stopping.wait())
+        retention: asyncio.Task[None] | None = None
         try:
             setup = asyncio.ensure_future(self._setup())
             await asyncio.wait({setup, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -147,18 +220,47 @@ class Worker:
                 return
             setup.result()
             runs = [asyncio.create_task(c.run()) for c in self._consumers]
-            await self._wait_ready(runs, stop)
+            # Effects and inbox rows past their retention are deleted while the worker runs.
+            if self._store is not None:
+                retention = asyncio.create_task(
+                    store_retention(
+                        self._store, effect_retention=settings.effect_retention,
+                        inbox_retention=settings.inbox_retention,
+                        interval=settings.retention_interval, stop=self._stopping,
+                    )
+                )  # fmt: skip
+            rounds = [asyncio.Event() for _ in self._leases]
+            owning = [asyncio.create_task(le.run(ev)) for le, ev in zip(self._leases, rounds, strict=True)]
+            runs += owning
+            await self._wait_ready(runs, stop, rounds)
             if not stop.done():
                 self.ready.set()
                 log.info("running %s", ", ".join(a.name for a in self.agents))
-            await asyncio.wait([*runs, stop], return_when=asyncio.FIRST_COMPLETED)
-            await asyncio.gather(*(c.stop(settings.shutdown_timeout) for c in self._consumers))
-            results = await asyncio.gather(*runs, return_exceptions=True)
+            failures = [p.failed for p in self._partitions]
+            until: list[asyncio.Future[Any]] = [*runs, *failures, stop]
+            await asyncio.wait(until, return_when=asyncio.FIRST_COMPLETED)
+            for task in owning:
+                task.cancel()
+            # No round may run beside the hand-back below.
+            await asyncio.gather(*owning, return_exceptions=True)
+            await asyncio.gather(
+                *(c.stop(settings.shutdown_timeout) for c in self._consumers),
+                *(le.close() for le in self._leases),
+            )
+            results: list[BaseException | None] = list(await asyncio.gather(*runs, return_exceptions=True))
+            results += [f.exception() for f in failures if f.done()]
             for result in results:
                 if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                     raise result
         finally:
             stop.cancel()
+            if retention is not None:
+                retention.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await retention
+            for part in self._partitions:
+                for task in part.tasks.values():
+                    task.cancel()
             self.ready.clear()
             if self._probes is not None:
                 self._probes.cancel()
@@ -185,22 +287,40 @@ class Worker:
             log.info("metrics on %s:%d", self._endpoint.host, self._endpoint.port)
         if self._store is None:
             self._store = await asyncio.to_thread(open_store, settings.store_url)
+        if settings.partitions and self.deliver_group:
+            raise ConfigError("partitions need pull consumers: run without --push/--deliver-group")
         self._conn = conn = await connect(settings, name=f"meshforge-{'-'.join(a.name for a in self.agents)}")
         specs = [agent_consumer(a.name, settings) for a in self.agents]
+        parted = [partition_consumers(a.name, settings) for a in self.agents] if settings.partitions else []
         # A push consumer is made by its Consumer (it needs the deliver group): streams only.
         pulled = [] if self.deliver_group else specs
+        if parted:
+            pulled = [spec for group in parted for spec in group.values()]
         if settings.provision:
             await ensure(conn.js, default_streams(settings), pulled)
+            kv = await ensure_bucket(conn.js, settings) if parted else None
         else:
             # Least privilege: only what agents use must exist (not the control plane's).
             needed = [s for s in default_streams(settings) if s.name in _AGENT_STREAMS]
             await verify(conn.js, needed, pulled)
+            kv = await open_bucket(conn.js) if parted else None
         publisher = Publisher(conn.js, settings, self.metrics)
-        for spec in specs:
+        consumed = pulled if parted else specs  # the durables this worker may consume
+        for spec in consumed:
             self.metrics.prepare_consumer(spec.durable, REASONS)
-        for agent, spec in zip(self.agents, specs, strict=True):
+        for index, (agent, spec) in enumerate(zip(self.agents, specs, strict=True)):
             engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
             self._engines.append(engine)
+            if kv is not None:
+                group = parted[index]
+                part = _Partitions(conn, group, engine, publisher, settings, self.metrics)
+                self._partitions.append(part)
+                # Every durable of the group shares the unpartitioned one's stem.
+                stem = group["u"].durable.removesuffix("_unpartitioned")
+                period = await lease_of(kv) / 3
+                leases = Leases(conn.js, kv, stem, list(group), start=part.start, stop=part.stop, period=period)
+                self._leases.append(leases)
+                continue
             if self.deliver_group:
                 consumer = Consumer(
                     conn, spec, handler=_one_by_one(engine), settings=settings, mode="push",
@@ -213,7 +333,7 @@ class Worker:
                     metrics=self.metrics, publisher=publisher, provision=False,
                 )  # fmt: skip
             self._consumers.append(consumer)
-        probes = Probes(conn.js, self.metrics, [(s.stream, s.durable) for s in specs], store=self._store)
+        probes = Probes(conn.js, self.metrics, [(s.stream, s.durable) for s in consumed], store=self._store)
         self._probes = asyncio.create_task(probes.run(self.probe_interval))
 
     @property
@@ -235,10 +355,14 @@ class Worker:
         report["agents"] = [a.name for a in self.agents]
         return report
 
-    async def _wait_ready(self, runs: list[asyncio.Task[None]], stop: asyncio.Future[Any]) -> None:
-        """Until every consumer pulls, one fails to start (raised here), or ``stop``."""
-        for consumer, run in zip(self._consumers, runs, strict=True):
-            ready = asyncio.ensure_future(consumer.ready.wait())
+    async def _wait_ready(
+        self, runs: list[asyncio.Task[None]], stop: asyncio.Future[Any], rounds: list[asyncio.Event]
+    ) -> None:
+        """Until every consumer pulls and every partitioned agent has claimed its first share,
+        one fails to start (raised here), or ``stop``."""
+        waits = [c.ready for c in self._consumers] + rounds
+        for event, run in zip(waits, runs, strict=True):
+            ready = asyncio.ensure_future(event.wait())
             done, _ = await asyncio.wait({ready, run, stop}, return_when=asyncio.FIRST_COMPLETED)
             ready.cancel()
             if run in done:

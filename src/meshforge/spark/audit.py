@@ -19,13 +19,16 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import IntegerType
 from pyspark.sql.window import Window
+
+from meshforge.originals import ORIGINAL_PREFIX
 
 __all__ = ["StoreTables", "compute"]
 
@@ -284,9 +287,24 @@ def compute(
     failed: DataFrame | None = None,
     store: StoreTables | None = None,
     commands: DataFrame | None = None,
+    since: datetime | None = None,
 ) -> dict[str, Any]:
-    """Every finding of the audit; ``ok`` is False when exactly-once was violated."""
+    """Every finding of the audit; ``ok`` is False when exactly-once was violated.
+
+    The store deletes effects and inbox rows after their retention (``effect_retention``,
+    ``inbox_retention``), so a command older than that can no longer be checked for a
+    missing effect: pass ``since`` (e.g. now minus the retention) to check only commands
+    stored from then on. ``findings["window"]`` states the window that was checked.
+    """
+    if since is not None:
+        if commands is not None:
+            commands = commands.where(F.col("ts") >= F.lit(since))
+        if store is not None:
+            store = replace(store, inbox=store.inbox.where(F.col("received_at") >= F.lit(since)))
     events = events.cache()
+    if failed is not None and "subject" in failed.columns:
+        # The kept originals of truncated dead letters are copies, not dead letters.
+        failed = failed.where(~F.col("subject").startswith(ORIGINAL_PREFIX))
     dup_count, dups = _duplicate_effects(events, store)
     known, missing_count, missing = _missing_effects(events, failed, store, commands)
     lost_count, lost = _lost_outputs(events, store)
@@ -317,6 +335,14 @@ def compute(
         "redeliveries": redeliveries,
         "latency_ms": latency,
         "timeline": _timeline(events, failed),
+    }
+    first = store.effects.agg(F.min("created_at")).first() if store is not None else None
+    oldest = first[0] if first is not None else None
+    findings["window"] = {
+        "commands_since": since.isoformat() if since is not None else None,
+        "oldest_effect": oldest.isoformat() if oldest is not None else None,
+        "note": "missing effects are checked for commands stored since commands_since (all when null);"
+        " the store keeps effects only for effect_retention",
     }
     if known is None:
         findings["notes"] = ["no store and no commands table: commands without an effect were not checked"]

@@ -1,10 +1,12 @@
 """Entry point for ``spark-submit``: the ``meshforge pipeline`` commands on any cluster.
 
-    spark-submit --master spark://host:7077 --py-files meshforge.zip \\
-        "$(python -c 'import meshforge.spark.job as j; print(j.__file__)')" \\
+    PYSPARK_PYTHON=/opt/meshforge/bin/python spark-submit --master spark://host:7077 \\
+        "$(/opt/meshforge/bin/python -c 'import meshforge.spark.job as j; print(j.__file__)')" \\
         ingest --nats-url nats://nats:4222 --output s3a://bucket/meshforge
 
-Arguments are those of ``meshforge pipeline``; the master comes from spark-submit.
+Arguments are those of ``meshforge pipeline``; the master comes from spark-submit. The
+executors need MeshForge installed (docs/PIPELINE.md, "On a cluster"): its compiled
+dependencies cannot travel in ``--py-files``.
 """
 
 from __future__ import annotations

@@ -235,6 +235,13 @@ class SyncNats:
         try:
             msg = await self.nc.request(subject, body, timeout=wait)
         except Exception as exc:
+            # A forbidden request is not answered; the server's -ERR says why.
+            last = str(getattr(self.nc, "last_error", None) or "").lower()  # the client lower-cases it
+            if "permissions violation" in last and f'"{subject.lower()}"' in last:
+                raise ConnectionFailed(
+                    f"JetStream API {subject}: permissions violation for publish to {subject!r};"
+                    " the Spark role needs it (see `meshforge permissions spark`)"
+                ) from None
             raise ConnectionFailed(f"JetStream API {subject}: {one_line(exc, 300)}") from None
         try:
             answer: dict[str, Any] = json.loads(msg.data or b"{}")

@@ -25,6 +25,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from meshforge.errors import ConfigError
+from meshforge.originals import ORIGINAL_PREFIX
 from meshforge.spark.audit import StoreTables, compute
 from meshforge.spark.report import write_report
 from meshforge.subjects import DEAD_LETTER_PREFIX
@@ -286,6 +287,7 @@ def _undo_dead_letters(df: DataFrame) -> DataFrame:
     """
     if "subject" not in df.columns:
         return df
+    df = df.where(~F.col("subject").startswith(ORIGINAL_PREFIX))  # copies, reached via their letter
     failed = F.col("subject").startswith(DEAD_LETTER_PREFIX)
     stripped = F.expr(f"substring(subject, {len(DEAD_LETTER_PREFIX) + 1})")
     if "headers" in df.columns:

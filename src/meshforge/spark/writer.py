@@ -39,6 +39,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import BinaryType, MapType, StringType, StructType
 
 from meshforge.errors import ConfigError, PublishError, one_line
+from meshforge.sizes import SizeLimits, check_fits
 from meshforge.spark.nats_sync import ConnOptions, SyncNats, lower_keys
 from meshforge.subjects import validate_subject
 
@@ -183,8 +184,16 @@ def _rows(batch: pa.RecordBatch, opts: WriteOptions) -> list[_Outgoing]:
 
 
 async def publish_window(client: SyncNats, items: list[_Outgoing], opts: WriteOptions, report: PublishReport) -> None:
-    """Publish ``items`` together; failed ones again with the same ids, then raise."""
+    """Publish ``items`` together; failed ones again with the same ids, then raise.
+
+    A row too large for the server is refused before anything of the window is sent:
+    sent, it would make the server close the connection.
+    """
     js = client.js
+    max_payload = getattr(client.nc, "max_payload", 0)
+    limits = SizeLimits(max_payload=max_payload) if isinstance(max_payload, int) and max_payload > 0 else SizeLimits()
+    for item in items:
+        check_fits(item.subject, item.data, item.headers, limits)
     pending = items
     for attempt in range(1, opts.attempts + 1):
         results = await asyncio.gather(

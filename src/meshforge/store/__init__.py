@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+from meshforge.errors import ConfigError, StoreError, one_line
 from meshforge.store.base import (
     DialectName,
     EffectRecord,
@@ -28,7 +29,7 @@ from meshforge.store.base import (
     Transaction,
 )
 from meshforge.store.core import Clock
-from meshforge.store.sql import url_error
+from meshforge.store.sql import redact, url_error
 
 __all__ = [
     "Clock",
@@ -44,6 +45,7 @@ __all__ = [
     "StoredEvent",
     "StoredOutput",
     "Transaction",
+    "open_existing_store",
     "open_store",
 ]
 
@@ -67,3 +69,37 @@ def open_store(url: str, *, clock: Clock | None = None) -> Store:
 
         return PostgresStore(url, clock=clock)
     raise url_error(url, "unknown scheme")
+
+
+def open_existing_store(url: str, *, clock: Clock | None = None) -> Store:
+    """Open a store that must already exist, for commands that only read one.
+
+    A missing SQLite file, or a PostgreSQL database (schema) without MeshForge's tables,
+    is a ``ConfigError`` naming it, and nothing is created.
+    """
+    if isinstance(url, str) and url.startswith("sqlite:"):
+        from pathlib import Path
+
+        from meshforge.store.sqlite import MEMORY
+        from meshforge.store.sqlite import parse_url as sqlite_url
+
+        path = sqlite_url(url)[0]
+        if path == MEMORY or not Path(path).is_file():
+            raise ConfigError(f"no store at {path}: give the --store (MESHFORGE_STORE_URL) the worker used")
+    elif isinstance(url, str) and url.startswith(("postgresql:", "postgres:")):
+        import psycopg
+
+        from meshforge.store.postgres import parse_url as pg_url
+
+        conninfo, schema, _ = pg_url(url)
+        table = f'"{schema}".meshforge_schema_version' if schema else "meshforge_schema_version"
+        try:
+            with psycopg.connect(conninfo, connect_timeout=10) as conn:
+                row = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot open PostgreSQL store {redact(url)}: {one_line(exc)}") from exc
+        if row is None or row[0] is None:
+            raise ConfigError(
+                f"no MeshForge store in {redact(url)}: give the --store (MESHFORGE_STORE_URL) the worker used"
+            )
+    return open_store(url, clock=clock)

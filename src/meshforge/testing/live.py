@@ -31,6 +31,7 @@ from meshforge.envelope import Envelope, decode
 from meshforge.publisher import Publisher, PublishResult
 from meshforge.runtime.agent import Agent
 from meshforge.runtime.worker import Worker
+from meshforge.scope import Scope
 from meshforge.store.base import Store
 from meshforge.subjects import STREAM_EVENTS, command_subject
 
@@ -160,9 +161,11 @@ class WorkerHarness:
             raise RuntimeError("give WorkerHarness a store= to read states")
         store, impl = self.store, self.agents[agent]
 
+        scope = Scope(self.tenant, self.namespace)  # what the worker keeps is scoped by the subject
+
         def read() -> bytes | None:
             with store.transaction() as tx:
-                return tx.state_get(agent, resource)
+                return tx.state_get(agent, resource, scope=scope)
 
         data = await asyncio.to_thread(read)
         return impl.initial() if data is None else impl.decode_state(data)

@@ -1,0 +1,268 @@
+"""Scale-out with partitions (S5): 1, 2 and 4 worker processes on one backlog, order checked.
+
+A backlog of N commands over R resources (N/R per resource, each carrying its sequence
+number) waits on the partition durables, paused, while 1, 2 or 4 ``meshforge run
+--partitions P`` processes start and share out the partitions. Then the durables are
+resumed and the clock runs until the last event is stored. Every run gets a fresh
+PostgreSQL database as the shared store (a partition that moves between workers keeps
+its effects' history: one store for all), or with ``--store sqlite`` one shared SQLite
+file; ``--store sqlite-per-worker`` (a diagnostic) gives each worker its own.
+
+After each run the events are read back: every resource must have each command applied
+once, in the order stored (each event names the sequence number it followed).
+
+The CPU seconds of the workers, nats-server and the run's PostgreSQL backends come from
+/proc. No run can beat its CPU work spread over all cores, so beside the 2-vs-1 ratio the
+run prints the ceiling that the 2-worker run's CPU allows on this machine (floor S5: the
+ratio reaches 90% of it).
+
+    python benchmarks/bench_partitions.py [--count 20000] [--resources 1000] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import CpuMeter, console, machine
+
+from meshforge.cli.demo_support import read_stream
+from meshforge.config import Settings, load_settings
+from meshforge.connection import connect
+from meshforge.envelope import Envelope, Outbound, decode
+from meshforge.partitions import BUCKET, ensure_bucket, partitioned
+from meshforge.publisher import Publisher
+from meshforge.server import EmbeddedServer
+from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS
+from meshforge.topology import default_streams, ensure, partition_consumers
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+AGENT, SUBJECT = "bstep", "cmd.default.bench.bstep.step"
+PG_ADMIN = os.environ.get("MESHFORGE_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+PARTITIONS = 16
+LEASE = "1.5s"
+
+
+def fresh_store(kind: str, tmp: Path, workers: int) -> tuple[list[str], str]:
+    """The store URL of each worker, and the marker that names the run's PostgreSQL backends.
+
+    ``sqlite-per-worker`` is a diagnostic: separate stores take the store's shared locks
+    out of the picture. It is only sound here because no partition moves while measured.
+    """
+    run = uuid.uuid4().hex[:8]
+    if kind == "sqlite":
+        return [f"sqlite:///{tmp / f'store-{run}.db'}"] * workers, run
+    if kind == "sqlite-per-worker":
+        return [f"sqlite:///{tmp / f'store-{run}-{i}.db'}" for i in range(workers)], run
+    import psycopg
+
+    name = f"meshforge_bench_{run}"
+    with psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=5) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return [f"{PG_ADMIN.rsplit('/', 1)[0]}/{name}"] * workers, name
+
+
+def postgres_reachable() -> bool:
+    try:
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN, connect_timeout=3):
+            return True
+    except Exception:
+        return False
+
+
+def drop_store(kind: str, name: str) -> None:
+    if kind == "postgres":
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def prepare(settings: Settings, count: int, resources: int) -> None:
+    """Empty server state, the partition durables paused, and the backlog stored."""
+    async with await connect(settings, name="bench-prepare") as conn:
+        for info in await conn.js.streams_info():
+            await conn.js.delete_stream(info.config.name)
+        specs = list(partition_consumers(AGENT, settings).values())
+        await ensure(conn.js, default_streams(settings), specs)
+        await ensure_bucket(conn.js, settings)
+        for spec in specs:
+            await conn.js.pause_consumer(STREAM_COMMANDS, spec.durable, "2100-01-01T00:00:00Z")
+        items = []
+        for seq in range(count // resources):
+            for r in range(resources):
+                env = Envelope.new(f"{AGENT}.step", {"seq": seq}, resource_id=f"r{r}", source="bench")
+                items.append(Outbound.of(partitioned(SUBJECT, env, settings), env))
+        await Publisher(conn.js, settings).publish_many(items)
+
+
+def start_workers(settings: Settings, stores: list[str]) -> list[subprocess.Popen[bytes]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHFORGE_")}
+    env.update(
+        PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{HERE}", MESHFORGE_PARTITION_LEASE=LEASE,
+        MESHFORGE_LOG_LEVEL="WARNING", MESHFORGE_PROVISION="false",
+    )  # fmt: skip
+    args = ["run", "_partition_agent:StepAgent", "--partitions", str(settings.partitions),
+            "--nats-url", settings.nats_url or ""]  # fmt: skip
+    command = [sys.executable, "-m", "meshforge", *args, "--store"]
+    return [subprocess.Popen([*command, store], env=env, stdout=subprocess.DEVNULL) for store in stores]
+
+
+async def settled(settings: Settings, workers: int, deadline: float) -> None:
+    """Until every partition is owned and each worker owns its share, twice in a row."""
+    slots = list(partition_consumers(AGENT, settings))
+    share = -(-len(slots) // workers)
+    stable = 0
+    async with await connect(settings, name="bench-watch") as conn:
+        kv = await conn.js.key_value(BUCKET)
+        while stable < 2:
+            owners: dict[str, int] = defaultdict(int)
+            for slot in slots:
+                try:
+                    entry = await kv.get(f"lease.{AGENT}_consumer.{slot}")
+                    owners[(entry.value or b"").decode()] += 1
+                except Exception:
+                    pass
+            full = sum(owners.values()) == len(slots) and len(owners) == workers
+            stable = stable + 1 if full and max(owners.values()) <= share else 0
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{workers} workers did not share out the partitions: {dict(owners)}")
+            await asyncio.sleep(0.5)  # polling the leases with a deadline
+
+
+async def drain(settings: Settings, count: int, deadline: float) -> float:
+    """Resume the durables; seconds from then to the last event stored."""
+    async with await connect(settings, name="bench-drain") as conn:
+        start = time.time()
+        for spec in partition_consumers(AGENT, settings).values():
+            await conn.js.resume_consumer(STREAM_COMMANDS, spec.durable)
+        while (info := await conn.js.stream_info(STREAM_EVENTS)).state.messages < count:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"only {info.state.messages} of {count} events before the deadline")
+            await asyncio.sleep(0.05)  # polling the stream's count with a deadline
+        return time.time() - start
+
+
+async def check_order(settings: Settings, count: int, resources: int) -> None:
+    """Each resource: every command applied once, in the order stored."""
+    async with await connect(settings, name="bench-check") as conn:
+        msgs = await read_stream(conn.js, STREAM_EVENTS, f"evt.*.*.{AGENT}.stepped")
+    by_resource: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for msg in msgs:
+        env = decode(msg.data, msg.headers)
+        by_resource[env.resource_id or ""].append((env.payload["seq"], env.payload["after"]))
+    per = count // resources
+    for resource, steps in by_resource.items():
+        expected = [(s, s - 1) for s in range(per)]
+        if steps != expected:
+            raise SystemExit(f"resource {resource}: applied {steps[:8]}..., expected {expected[:8]}...")
+    if len(by_resource) != resources or len(msgs) != count:
+        raise SystemExit(f"{len(msgs)} events over {len(by_resource)} resources, expected {count} over {resources}")
+
+
+def machine_busy() -> float:
+    """CPU seconds every process on the machine has spent so far (from /proc/stat)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def one_run(server: EmbeddedServer, workers: int, count: int, resources: int, kind: str, tmp: Path) -> tuple[float, dict[str, float]]:
+    settings = load_settings(
+        {"nats_url": server.url, "partitions": PARTITIONS, "partition_lease": LEASE}, env={}
+    )
+    stores, marker = fresh_store(kind, tmp, workers)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        asyncio.run(prepare(settings, count, resources))
+        groups = {
+            "workers": lambda pid, cmd: "_partition_agent:StepAgent" in cmd,
+            "nats-server": lambda pid, cmd: pid == server.pid,
+            "store": lambda pid, cmd: cmd.startswith("postgres:") and marker in cmd,
+        }
+        procs = start_workers(settings, stores)
+        asyncio.run(settled(settings, workers, time.monotonic() + 60))
+        busy = machine_busy()
+        with CpuMeter(groups) as cpu:
+            seconds = asyncio.run(drain(settings, count, time.monotonic() + 600))
+        # What the rest of the machine (other people's work) took meanwhile.
+        others = max(0.0, machine_busy() - busy - sum(cpu.seconds.values()))
+        asyncio.run(check_order(settings, count, resources))
+        return seconds, {**cpu.seconds, "others": others}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        drop_store(kind, marker)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--count", type=int, default=20_000)
+    parser.add_argument("--resources", type=int, default=1_000)
+    parser.add_argument("--store", choices=("postgres", "sqlite", "sqlite-per-worker"), default="postgres")
+    parser.add_argument("--quick", action="store_true", help="count = 4,000")
+    args = parser.parse_args()
+    count = 4_000 if args.quick else args.count
+    if args.store == "postgres" and not postgres_reachable():
+        console.print(f"PostgreSQL is not reachable at {PG_ADMIN}: one shared SQLite file instead")
+        args.store = "sqlite"
+    count -= count % args.resources
+    runs: dict[int, tuple[float, dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(store_dir=Path(tmp) / "nats") as server:
+        for workers in (1, 2, 4):
+            runs[workers] = one_run(server, workers, count, args.resources, args.store, Path(tmp))
+    cores = os.cpu_count() or 1
+    table = Table(title=f"Partitions ({PARTITIONS}), {count:,} commands over {args.resources:,} resources, "
+                        f"{args.store} store ({machine()})")  # fmt: skip
+    for column in ("workers", "seconds", "cmd/s", "vs 1 worker", "workers CPU", "nats-server CPU",
+                   "store CPU", "cores busy", "others' CPU", "order"):  # fmt: skip
+        table.add_column(column, justify="right")
+    one = runs[1][0]
+    for workers, (seconds, cpu) in runs.items():
+        ours = sum(v for k, v in cpu.items() if k != "others")
+        table.add_row(
+            str(workers), f"{seconds:.2f}", f"{count / seconds:,.0f}", f"{one / seconds:.2f}x",
+            f"{cpu.get('workers', 0):.1f}", f"{cpu.get('nats-server', 0):.1f}", f"{cpu.get('store', 0):.1f}",
+            f"{ours / seconds:.2f}", f"{cpu.get('others', 0) / seconds:.2f} cores", "kept",
+        )  # fmt: skip
+    Console(width=170).print(table)  # wide: one line per run even without a terminal
+    for workers in (2, 4):
+        seconds, cpu = runs[workers]
+        ratio = one / seconds
+        ours = sum(v for k, v in cpu.items() if k != "others")
+        ceiling = one / (ours / cores) if ours else float("nan")
+        left = max(0.1, cores - cpu.get("others", 0) / seconds)
+        ceiling_left = one / (ours / left) if ours else float("nan")
+        verdict = "met" if ratio >= 0.9 * ceiling else "NOT met"
+        console.print(
+            f"S5 {workers} workers vs 1: {ratio:.2f}x; ceiling from the CPU split on {cores} cores: "
+            f"{ceiling:.2f}x ({ratio / ceiling:.0%} of it"
+            + (f", floor 90%: {verdict}" if workers == 2 else "")
+            + f"); on the {left:.2f} cores other work left: {ceiling_left:.2f}x ({ratio / ceiling_left:.0%})"
+        )
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""An agent for the partition tests: each event says what the resource had seen before."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import msgspec
+
+from meshforge.envelope import Envelope
+from meshforge.runtime.agent import Agent, Event, command
+
+
+class Seen(msgspec.Struct):
+    last: int = -1
+    count: int = 0
+
+
+class SequenceAgent(Agent[Seen]):
+    """``step {"seq", "pause"?}`` on a resource: emits ``stepped`` with the seq before it."""
+
+    name = "seq"
+
+    @command("step")
+    async def step(self, cmd: Envelope, state: Seen) -> list[Event]:
+        pause = float(cmd.payload.get("pause", 0))
+        if pause:
+            await asyncio.sleep(pause)  # a handler that takes time, so a kill lands mid-flight
+        # The pid is not deterministic on purpose: the test wants to know which worker ran it.
+        return [Event("stepped", {"seq": cmd.payload["seq"], "after": state.last, "pid": os.getpid()})]
+
+    def apply(self, state: Seen, event: Event) -> Seen:
+        return Seen(last=int(event.payload["seq"]), count=state.count + 1)

@@ -1,0 +1,186 @@
+"""The pipeline on a real Spark cluster: a standalone master and worker on loopback.
+
+``meshforge pipeline ingest`` and ``audit`` go through ``spark-submit`` and ``job.py``
+exactly as docs/PIPELINE.md ("On a cluster") tells a user, with MeshForge reaching the
+executors the documented way (installed in the interpreter that ``PYSPARK_PYTHON``
+names on every node); the results equal local mode's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from pyspark.sql import SparkSession
+from typer.testing import CliRunner
+
+import meshforge.spark.job
+from meshforge.cli import app
+from meshforge.envelope import Envelope, Outbound
+from meshforge.server import EmbeddedServer
+from polling import wait_until_sync
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+BIN = Path(sys.executable).parent
+EVENTS = 200
+DEAD_LETTERS = 5
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Standalone:
+    """A running standalone master and worker; ``url`` is the master's ``spark://``."""
+
+    url: str
+    ui: str
+    work_dir: Path
+
+    def state(self) -> dict[str, Any]:
+        try:
+            with urllib.request.urlopen(f"{self.ui}/json/", timeout=2) as resp:
+                data = json.loads(resp.read())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the daemon's process group (its executors too), SIGKILL if it lingers."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # executors the worker left behind
+
+
+@pytest.fixture
+def standalone(tmp_path: Path) -> Iterator[Standalone]:
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_LOG_DIR": str(tmp_path / "logs"),
+           "SPARK_WORKER_DIR": str(tmp_path / "work"), "PYSPARK_PYTHON": sys.executable}  # fmt: skip
+    port, ui, worker_ui = _free_port(), _free_port(), _free_port()
+    url = f"spark://127.0.0.1:{port}"
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def launch(name: str, *args: str) -> None:
+        log = (tmp_path / f"{name}.log").open("wb")
+        procs.append(subprocess.Popen([str(BIN / "spark-class"), *args], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+        log.close()
+
+    cluster = Standalone(url, f"http://127.0.0.1:{ui}", tmp_path / "work")
+    try:
+        launch("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+               "--port", str(port), "--webui-port", str(ui))  # fmt: skip
+        launch("worker", "org.apache.spark.deploy.worker.Worker", url, "--host", "127.0.0.1",
+               "--cores", "1", "--memory", "1g", "--webui-port", str(worker_ui),
+               "--work-dir", str(cluster.work_dir))  # fmt: skip
+
+        def worker_alive() -> bool:
+            for proc, name in zip(procs, ("master", "worker"), strict=True):
+                if proc.poll() is not None:
+                    log = (tmp_path / f"{name}.log").read_text()[-2000:]
+                    raise AssertionError(f"the Spark {name} exited: {log}")
+            return cluster.state().get("aliveworkers") == 1
+
+        wait_until_sync(worker_alive, 60, "the standalone worker to register with the master")
+        yield cluster
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+
+
+async def _publish(url: str) -> None:
+    """EVENTS order events (each an effect of its own command) and DEAD_LETTERS dead letters."""
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await js.add_stream(name="MESHFORGE_EVENTS", subjects=["evt.>"])
+    await js.add_stream(name="MESHFORGE_FAILED", subjects=["failed.>"])
+    for i in range(EVENTS):
+        cmd = Envelope.new("order.create", {"order_id": f"o-{i}", "sku": "S", "qty": 1})
+        out = Outbound.of("evt.default.demo.order.created", cmd.child("order.created", {"order_id": f"o-{i}"}, position=0))
+        await js.publish(out.subject, out.data, headers=out.headers)
+    for i in range(DEAD_LETTERS):
+        bad = Envelope.new("order.create", {"qty": -i})
+        out = Outbound.of("failed.cmd.default.demo.order.create", bad)
+        headers = {**out.headers, "Dlq-Reason": "unrecoverable", "Dlq-Error": "Unrecoverable: qty",
+                   "Dlq-Original-Subject": "cmd.default.demo.order.create"}  # fmt: skip
+        await js.publish(out.subject, out.data, headers=headers)
+    await nc.close()
+
+
+def _submit(master: str, cwd: Path, *args: str) -> str:
+    """``spark-submit --master MASTER job.py ARGS`` as PIPELINE.md shows it; the output."""
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
+           "MESHFORGE_HOME": str(cwd / "home")}  # fmt: skip
+    env.pop("PYSPARK_GATEWAY_PORT", None)
+    done = subprocess.run(
+        [str(BIN / "spark-submit"), "--master", master, "--conf", "spark.ui.enabled=false",
+         "--conf", "spark.executor.memory=512m", meshforge.spark.job.__file__, *args],
+        env=env, capture_output=True, text=True, timeout=150, cwd=cwd,
+    )  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-4000:]
+    return said
+
+
+def _report(out: Path) -> dict[str, Any]:
+    findings = json.loads((out / "report" / "audit.json").read_text())
+    assert isinstance(findings, dict)
+    return {key: findings[key] for key in ("ok", "counts", "dead_letters")}
+
+
+async def test_ingest_and_audit_on_a_standalone_cluster_equal_local_mode(
+    spark: SparkSession, standalone: Standalone, private_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    url = private_server.url
+    await _publish(url)
+
+    # on the cluster, through spark-submit and job.py
+    remote = tmp_path / "remote"
+    said = _submit(standalone.url, tmp_path, "ingest", "--nats-url", url, "--output", str(remote))
+    assert f"MESHFORGE_EVENTS: {EVENTS} new rows" in said and f"MESHFORGE_FAILED: {DEAD_LETTERS} new rows" in said
+    said = _submit(standalone.url, tmp_path, "audit", "--output", str(remote))
+    assert "exactly-once holds" in said, said[-3000:]
+    # the tasks ran in executors of the standalone worker, not in the driver
+    apps = standalone.state().get("completedapps") or []
+    assert len(apps) == 2 and all(a.get("state") == "FINISHED" for a in apps), apps
+    assert len(list(standalone.work_dir.glob("app-*/*/stderr"))) >= 2
+
+    # the same in local mode
+    local = tmp_path / "local"
+    for args in (["ingest", "--nats-url", url, "--output", str(local), "--master", "local[2]"],
+                 ["audit", "--output", str(local), "--master", "local[2]"]):  # fmt: skip
+        result = CliRunner().invoke(app, ["pipeline", *args])
+        assert result.exit_code == 0, result.output
+
+    on_cluster, in_local = _report(remote), _report(local)
+    assert on_cluster == in_local
+    assert on_cluster["ok"] is True
+    assert on_cluster["counts"]["events"] == EVENTS and on_cluster["dead_letters"]["total"] == DEAD_LETTERS
+    for base in (remote, local):
+        counts = [spark.read.parquet(str(base / name)).count() for name in ("events", "failed")]
+        assert counts == [EVENTS, DEAD_LETTERS], base
