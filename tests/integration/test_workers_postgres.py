@@ -6,11 +6,9 @@ import asyncio
 import random
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-import psycopg
 import pytest
 from test_engine_support import (
     SCOPE,
@@ -39,17 +37,6 @@ from meshforge.subjects import STREAM_FAILED
 pytestmark = pytest.mark.postgres
 DEMO = Scope("default", "demo")
 
-
-@pytest.fixture
-def own_pg(pg_database: str) -> Iterator[str]:
-    """A database of this test's own: the demo agents' names must not meet other tests' rows."""
-    base, _, _ = pg_database.rpartition("/")
-    name = f"meshforge_workers_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_database, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    yield f"{base}/{name}"
-    with psycopg.connect(pg_database, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.mark.slow
