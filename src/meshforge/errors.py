@@ -59,6 +59,7 @@ class StoreError(MeshForgeError):
 
     ``kind`` is ``duplicate`` (a unique key already stored), ``conflict`` (serialisation
     failure or deadlock), ``busy``, ``unavailable``, ``not_found``, ``constraint``,
+    ``invalid`` (a value this database can never store: NUL in text, out of range),
     ``closed`` or ``error``;
     ``retriable`` says whether running the whole transaction again may succeed.
     """

@@ -202,3 +202,26 @@ def test_traceparent_of_output_is_child_of_command() -> None:
     child = cmd.child("x.credited", {}, 0)
     header = child.headers()["traceparent"]
     assert header.startswith(f"00-{cmd.trace_id}-") and header != format_traceparent(cmd.trace_id or "", cmd.span_id or "")
+
+
+async def test_published_marks_ride_in_later_transactions_or_land_when_idle(nats_url: str, sqlite_url: str) -> None:
+    agent = ledger_agent()
+    settings = settings_for(nats_url, sqlite_url, batch_size=2)
+    conn = await open_conn(settings)
+    store = await open_store_async(sqlite_url)
+    consumer = f"{agent.name}_consumer"
+
+    async def all_marked() -> bool:
+        effects = await asyncio.to_thread(lambda: list(store.effects_read(consumer)))
+        return len(effects) == 6 and all(e.published_at is not None for e in effects)
+
+    try:
+        async with running([agent], settings, store=store):
+            for i in range(6):
+                await send(conn, agent.name, "credit", {"account": f"a{i % 2}", "amount": 1})
+            await wait_until(lambda: consumer_idle(conn, agent.name))
+            # The last group's marks have no later transaction to ride in: the idle flush notes them.
+            await wait_until(all_marked, within=10, what="every effect marked published")
+    finally:
+        store.close()
+        await conn.close()

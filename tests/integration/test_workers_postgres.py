@@ -84,6 +84,13 @@ async def test_three_workers_one_killed_give_exactly_one_effect_per_command(
             return await consumer_idle(conn, "order") and await consumer_idle(conn, "inventory")
 
         await wait_until(idle, within=120, what="both agents idle")
+
+        async def all_running() -> bool:
+            # A restarted worker may still be starting when the work is done: a SIGTERM
+            # before its signal handlers exist would end it with -15, not a graceful stop.
+            return all(w.log_path.read_text().count("running order, inventory") >= w.starts for w in workers)
+
+        await wait_until(all_running, within=30, what="every worker running")
         for w in workers:
             assert w.stop(20) == 0, w.log_path.read_text()[-2000:]
 

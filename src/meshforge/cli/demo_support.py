@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -162,7 +161,7 @@ async def read_stream(
         while True:
             try:
                 msgs = await sub.fetch(batch, timeout=fetch_wait)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nats-py raises its own, or asyncio's when its deadline passed
                 # A slow server (a replica catching up, a busy machine) is not the end of the stream.
                 try:
                     left = (await sub.consumer_info()).num_pending

@@ -60,6 +60,9 @@ def _to_store_error(exc: Exception) -> StoreError:
         return StoreError(text, kind="busy", retriable=True)
     if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
         return StoreError(text, kind="unavailable", retriable=True)
+    if isinstance(exc, psycopg.DataError):
+        # NUL in text, a bad encoding, a number out of range: this data can never be stored.
+        return StoreError(text, kind="invalid")
     return StoreError(text)
 
 
