@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -105,8 +106,9 @@ async def test_missing_ts_is_injected_from_the_stored_time(nats_url: str, sqlite
 
 
 async def test_same_idempotency_key_republishes_same_ids_and_changes_nothing(
-    nats_url: str, sqlite_url: str
+    nats_url: str, sqlite_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="meshforge.engine")
     agent = ledger_agent()
     settings = settings_for(nats_url, sqlite_url)
     metrics = Metrics()
@@ -130,6 +132,8 @@ async def test_same_idempotency_key_republishes_same_ids_and_changes_nothing(
         assert state.balance == 3
         skipped = metrics.duplicates_skipped.labels(consumer=f"{agent.name}_consumer")._value.get()
         assert skipped == 1
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Duplicate detected")]
+        assert len(said) == 1 and first.key in said[0]  # seed 001's log line
     finally:
         store.close()
         await conn.close()

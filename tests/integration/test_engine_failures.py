@@ -279,3 +279,31 @@ async def test_a_nul_order_id_is_dead_lettered_alone_by_a_plain_function_agent(
             assert "NUL" in letters[bad.id][1]
     finally:
         await conn.close()
+
+
+async def test_an_output_too_large_to_publish_is_refused_before_its_effect_is_stored(
+    nats_url: str, sqlite_url: str
+) -> None:
+    agent = ledger_agent()
+    settings = settings_for(nats_url, sqlite_url)
+    conn = await open_conn(settings)
+    try:
+        subject = f"cmd.default.test.{agent.name}.credit"
+        limit = conn.nc.max_payload
+        huge = Envelope.new(f"{agent.name}.credit", {"account": "a", "amount": 5, "mode": "huge", "bytes": limit})
+        good = Envelope.new(f"{agent.name}.credit", {"account": "a", "amount": 1})
+        await send_many(conn, [(subject, huge), (subject, good)])
+        store = await open_store_async(sqlite_url)
+        async with running([agent], settings, store=store):
+            await wait_until(lambda: consumer_idle(conn, agent.name), within=15)
+        stored = await asyncio.to_thread(lambda: list(store.effects_read()))
+        store.close()
+        letters = reasons(await dead_letters_of(conn, agent.name))
+        reason, error = letters[huge.id]
+        assert reason == "unrecoverable" and "max_payload" in error and "\n" not in error
+        # No effect was kept for it (its outputs could never leave); the next command ran.
+        assert [e.command_id for e in stored] == [good.id]
+        [event] = [m.envelope() for m in await events_of(conn, agent.name)]
+        assert event is not None and event.causation_id == good.id and event.payload["balance"] == 1
+    finally:
+        await conn.close()

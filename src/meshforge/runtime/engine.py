@@ -44,8 +44,8 @@ from meshforge.decisions import (
     backoff_delay,
     decide,
 )
-from meshforge.envelope import Envelope, Outbound
-from meshforge.errors import InvalidSubject, StoreError, Unrecoverable, one_line
+from meshforge.envelope import H_MSG_ID, Envelope, Outbound
+from meshforge.errors import InvalidSubject, PublishError, StoreError, Unrecoverable, one_line
 from meshforge.faults import crash_point
 from meshforge.observability import Metrics
 from meshforge.publisher import Publisher
@@ -55,6 +55,7 @@ from meshforge.runtime.marks import PublishedMarks
 from meshforge.runtime.outputs import build_outputs, decode_payload, event_name
 from meshforge.runtime.stage import PublishStage
 from meshforge.scope import Scope, command_scope
+from meshforge.sizes import check_fits
 from meshforge.store.base import Store, StoredOutput
 
 __all__ = ["Engine", "consumer_name"]
@@ -354,6 +355,10 @@ class Engine(Generic[S]):
                 work.outputs = previous
                 plan.done.append(work)
                 plan.duplicates += 1
+                # Seed 001's words, so an operator's search for them finds it.
+                log.info("Duplicate detected: %s key %r (%s, stream seq %d) was processed before;"
+                         " re-publishing its %d stored output(s)", self.consumer, work.env.key,
+                         work.scope, d.seq, len(previous))  # fmt: skip
                 continue
             try:
                 outputs: list[Output]
@@ -367,6 +372,7 @@ class Engine(Generic[S]):
                     agent, work.env, work.resource, d.subject, outputs, states[slot],
                     self.settings.partitions,
                 )
+                self._check_sizes(work.outputs)
             except Exception as exc:
                 # The handler may have changed the state in place: rebuild it.
                 states[slot] = self._rebuild(slot, raw[slot], plan)
@@ -380,6 +386,16 @@ class Engine(Generic[S]):
             stored[(work.scope, work.env.key)] = work.outputs  # a later duplicate re-publishes
             plan.done.append(work)
         return plan
+
+    def _check_sizes(self, outputs: list[StoredOutput]) -> None:
+        """An output the server would refuse could never be published: refuse the command
+        before its effect is stored, instead of storing an effect whose outputs never leave."""
+        limits = self.publisher.limits()
+        for out in outputs:
+            try:
+                check_fits(out.subject, out.data, {**out.headers, H_MSG_ID: out.msg_id}, limits)
+            except PublishError as exc:
+                raise Unrecoverable(f"output {out.position}: {exc}") from None
 
     def _decode(self, data: bytes | None) -> S:
         return self.agent.initial() if data is None else self.agent.decode_state(data)
