@@ -80,5 +80,28 @@ def pg_database() -> Iterator[str]:
 
 
 @pytest.fixture
+def own_pg(pg_database: str) -> Iterator[str]:
+    """A PostgreSQL database of the test's own: fixed agent names meet no other test's rows."""
+    import psycopg
+
+    base, _, _ = pg_database.rpartition("/")
+    name = f"meshforge_own_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(pg_database, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    yield f"{base}/{name}"
+    with psycopg.connect(pg_database, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def own_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A store nothing else uses: a SQLite file, or a PostgreSQL database of the test's own."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    url: str = request.getfixturevalue("own_pg")
+    return url
+
+
+@pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'store.db'}"

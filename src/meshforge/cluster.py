@@ -23,11 +23,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 from meshforge.errors import ServerError
-from meshforge.server import EmbeddedServer
+from meshforge.server import EmbeddedServer, Managed
 
 __all__ = ["EmbeddedCluster", "free_port"]
 
@@ -39,7 +38,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-class EmbeddedCluster:
+class EmbeddedCluster(Managed):
     """``size`` JetStream nats-servers in one cluster, routed on ``host``.
 
     ``port`` gives the first node's client port (the others take the next ones); without
@@ -164,23 +163,3 @@ class EmbeddedCluster:
         for node in self.nodes:
             node.close()
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Self:
-        import asyncio
-
-        await asyncio.to_thread(self.start)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        import asyncio
-
-        await asyncio.to_thread(self.close)

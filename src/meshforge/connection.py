@@ -22,6 +22,7 @@ from meshforge.config import Settings, load_settings
 from meshforge.connect_retry import attempt_connect, close_bounded, retry_connect
 from meshforge.credentials import NatsAuth, nats_auth_options, redact_url, ssl_context
 from meshforge.errors import one_line
+from meshforge.headers import parse_header_lines
 
 __all__ = [
     "DEFAULT_URL",
@@ -70,7 +71,10 @@ class _Client(NATS):
     """nats-py closes the client for good on any server ``-ERR`` but a stale connection or
     a permissions error. The server drops the socket after most of them (e.g. "Maximum
     Payload Violation"), and a worker wants its connection back: reconnect instead. A
-    refused login, and any error while first connecting, still close as before."""
+    refused login, and any error while first connecting, still close as before.
+    Headers are parsed by ``meshforge.headers`` (same result, a fraction of the cost)."""
+
+    _parse_header_lines = staticmethod(parse_header_lines)
 
     async def _process_err(self, err_msg: str) -> None:
         text = err_msg.strip().strip("'")

@@ -3,7 +3,7 @@
 A ``Consumer`` takes messages from a durable JetStream consumer and runs a handler for
 each (or a batch handler per fetch). It never holds more messages than it can work on:
 a pull asks for at most ``concurrency - in flight`` (a batch consumer: one batch of at
-most ``batch_size`` at a time), a push consumer is capped by ``max_ack_pending``.
+most ``batch_size`` at a time, and the next while it finishes), a push consumer is capped by ``max_ack_pending``.
 Malformed bodies and exhausted deliveries are dead-lettered without reaching the
 handler; handler errors become decisions (see ``meshforge.decisions``); a handler that
 runs long gets ``in_progress`` every third of the ack wait. ``stop()`` stops fetching,
@@ -332,7 +332,8 @@ class Consumer:
             batch_size=self.batch_size,
             wait_free=workers.wait_free,
             in_flight=lambda: workers.in_flight,
-            limit=self.batch_size if batch else self.concurrency,
+            # Two batches: the next is fetched and committed while one publishes and acks.
+            limit=2 * self.batch_size if batch else self.concurrency,
             dispatch=dispatch,
             nak=self._nak_quietly,
             recover=self._recover,

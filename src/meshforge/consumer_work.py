@@ -165,7 +165,15 @@ class Processor:
                 settled.append((delivery, decision))
         if ready:
             settled += await self._run_batch(ready)
-        await asyncio.gather(*(self.acker.apply(d, dec) for d, dec in settled))
+        # A plain ack only writes to the connection's buffer: no task per message for it.
+        others = []
+        for delivery, decision in settled:
+            if decision.action is Action.ACK and not self.acker.ack_sync:
+                await self.acker.apply(delivery, decision)
+            else:
+                others.append(self.acker.apply(delivery, decision))
+        if others:
+            await asyncio.gather(*others)
 
     async def _run_batch(self, ready: list[Delivery]) -> list[tuple[Delivery, Decision]]:
         assert self._batch_handler is not None

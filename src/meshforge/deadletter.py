@@ -165,7 +165,7 @@ async def dead_letter(
         ) from None
     fitted = await _fit(publisher, subject, msg, headers, original, stream, seq)
     result = await publisher.publish(subject, fitted.data, headers=fitted.headers, msg_id=msg_id)
-    log.info(
+    log.debug(  # the consumer logs each dead letter once, at the level its reason deserves
         "dead-lettered %s #%d (%s) from %s as %s #%d%s: %s",
         stream, seq, msg.subject, consumer, result.stream, result.seq,
         f" (truncated: {fitted.cut})" if fitted.cut else "", headers[H_DLQ_ERROR],

@@ -14,8 +14,11 @@ __all__ = ["CRASH_POINTS", "crash_point"]
 
 CRASH_POINTS = (
     "after_fetch",
+    "after_enqueue",  # waiting for the commit stage
     "after_handler",
     "after_commit",
+    "after_commit_while_publishing",  # the group before is still publishing
+    "before_publish",  # the publish stage's turn came, nothing of the group sent yet
     "after_partial_publish",
     "after_publish",
     "after_ack",

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from meshforge.faults import crash_point
 
@@ -92,7 +92,9 @@ class PullSource:
         self.expires = expires
         self.heartbeat = heartbeat
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
-        self._queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._queue: asyncio.Queue[Msg | None] = asyncio.Queue()  # None: a stop wake-up
+        self._watching: asyncio.Event | None = None
+        self._watcher: asyncio.Future[None] | None = None
         self._sub: Subscription | None = None
         self._prefix = ""
         self._requests = 0
@@ -121,6 +123,7 @@ class PullSource:
         if stray:
             # Already delivered to us: hand them out now, at most n.
             return FetchResult("messages", stray[:n], detail="stray", surplus=stray[n:])
+        self._watch(stop)
         self._requests += 1
         reply = f"{self._prefix}.{self._requests}"
         body = {
@@ -141,65 +144,72 @@ class PullSource:
         got: list[Msg] = []
         start = last = time.monotonic()
         deadline = start + self.expires + _SLACK
-        stop_wait: asyncio.Future[Any] | None = (
-            asyncio.ensure_future(stop.wait()) if stop is not None else None
-        )
-        try:
-            while len(got) < n:
-                now = time.monotonic()
-                quiet_until = last + self.heartbeat * _MISSED_HEARTBEATS + _SLACK
-                wait = min(deadline, quiet_until) - now
-                if wait <= 0:
-                    if got:
-                        break
-                    return FetchResult("silent", detail=f"no answer for {now - last:.1f}s")
-                msg = await self._next(wait, stop_wait)
-                if msg is None:
-                    if stop_wait is not None and stop_wait.done():
-                        return FetchResult("stopped", got)
-                    continue
-                status = (msg.headers or {}).get(_STATUS)
-                if not status:
-                    got.append(msg)
-                    last = time.monotonic()
-                    continue
-                if msg.subject != reply:
-                    continue  # a late status for a request we already gave up on
-                last = time.monotonic()
-                if status == _HEARTBEAT:
-                    continue
-                description = (msg.headers or {}).get(_DESCRIPTION, "")
-                if status in _END:
-                    break
+        while len(got) < n:
+            now = time.monotonic()
+            quiet_until = last + self.heartbeat * _MISSED_HEARTBEATS + _SLACK
+            wait = min(deadline, quiet_until) - now
+            if wait <= 0:
                 if got:
                     break
-                return FetchResult("error", detail=f"{status} {description}".strip(), status=status)
-        finally:
-            if stop_wait is not None:
-                stop_wait.cancel()
+                return FetchResult("silent", detail=f"no answer for {now - last:.1f}s")
+            msg = await self._next(wait)
+            if msg is None:
+                if stop is not None and stop.is_set():
+                    return FetchResult("stopped", got)
+                continue
+            status = (msg.headers or {}).get(_STATUS)
+            if not status:
+                got.append(msg)
+                last = time.monotonic()
+                continue
+            if msg.subject != reply:
+                continue  # a late status for a request we already gave up on
+            last = time.monotonic()
+            if status == _HEARTBEAT:
+                continue
+            description = (msg.headers or {}).get(_DESCRIPTION, "")
+            if status in _END:
+                break
+            if got:
+                break
+            return FetchResult("error", detail=f"{status} {description}".strip(), status=status)
         return FetchResult("messages" if got else "empty", got)
 
-    async def _next(self, wait: float, stop_wait: asyncio.Future[Any] | None) -> Msg | None:
-        if not self._queue.empty():
-            return self._queue.get_nowait()
-        getter: asyncio.Future[Any] = asyncio.ensure_future(self._queue.get())
-        waiters = {getter} if stop_wait is None else {getter, stop_wait}
-        try:
-            await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not getter.done():
-                getter.cancel()
-        if getter.done() and not getter.cancelled():
-            msg: Msg = getter.result()
-            return msg
-        return None
+    async def _next(self, wait: float) -> Msg | None:
+        """The next message, or None after ``wait`` seconds or when woken (``_watch``).
+
+        No task or future per call: this runs for every message received.
+        """
+        queue = self._queue
+        if queue.empty():
+            try:
+                async with asyncio.timeout(wait):
+                    return await queue.get()
+            except TimeoutError:
+                return None
+        return queue.get_nowait()
+
+    def _watch(self, stop: asyncio.Event | None) -> None:
+        """Wake a waiting ``_next`` when ``stop`` is set: one task per event, not per fetch."""
+        if stop is None or (self._watching is stop and self._watcher is not None and not self._watcher.done()):
+            return
+        if self._watcher is not None:
+            self._watcher.cancel()
+        self._watching = stop
+        queue = self._queue
+
+        async def watch() -> None:
+            await stop.wait()
+            queue.put_nowait(None)
+
+        self._watcher = asyncio.ensure_future(watch())
 
     def _drain_local(self) -> list[Msg]:
         """Data messages waiting locally; stale statuses are dropped."""
         messages: list[Msg] = []
         while not self._queue.empty():
             msg = self._queue.get_nowait()
-            if not (msg.headers or {}).get(_STATUS):
+            if msg is not None and not (msg.headers or {}).get(_STATUS):
                 messages.append(msg)
         return messages
 
@@ -216,6 +226,9 @@ class PullSource:
         return await self._unsubscribe()
 
     async def _unsubscribe(self) -> list[Msg]:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = self._watching = None
         sub, self._sub = self._sub, None
         if sub is not None:
             with contextlib.suppress(Exception):  # a closed connection has no interest left

@@ -133,7 +133,38 @@ class DataDirLock:
                 os.close(fd)
 
 
-class EmbeddedServer:
+class Managed:
+    """``with`` and ``async with`` for what ``start()``s and ``close()``s (blocking: a thread under asyncio)."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        import asyncio
+
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self.close)
+
+
+class EmbeddedServer(Managed):
     """A nats-server child process with JetStream, started and stopped by this object.
 
     ``port=None`` lets the server pick a free port; after a restart the same port is
@@ -304,23 +335,3 @@ class EmbeddedServer:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Self:
-        import asyncio
-
-        await asyncio.to_thread(self.start)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        import asyncio
-
-        await asyncio.to_thread(self.close)

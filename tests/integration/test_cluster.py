@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from nats.js import JetStreamContext
 
-from meshforge.cli.demo_support import AgentProcess, meshforge_command, read_stream
+from meshforge.cli.demo_support import AgentProcess, StreamMessage, meshforge_command, read_stream
 from meshforge.cluster import EmbeddedCluster
 from meshforge.config import load_settings
 from meshforge.connection import connect
@@ -193,14 +193,23 @@ async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(
         await wait_until(caught_up, 30, "the restarted node to catch up and the work queue to drain")
         assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
 
-        stored = await read_stream(js, STREAM_EVENTS, "evt.>")
-        per_order: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        for message in stored:
-            env = message.envelope()
-            assert env is not None
-            if "order_id" in env.payload:
-                per_order[env.payload["order_id"]][env.type] += 1
         expected = collections.Counter({"order.created": 1, "inventory.reserved": 1})
+        stored: list[StreamMessage] = []
+        per_order: dict[str, collections.Counter[str]] = {}
+
+        async def read_all() -> bool:
+            # A read served by a replica still catching up can miss the newest events: read again.
+            stored[:] = await read_stream(js, STREAM_EVENTS, "evt.>")
+            per_order.clear()
+            for message in stored:
+                env = message.envelope()
+                assert env is not None
+                if "order_id" in env.payload:
+                    per_order.setdefault(env.payload["order_id"], collections.Counter())[env.type] += 1
+            return len(stored) >= 1 + 2 * ORDERS
+
+        with contextlib.suppress(AssertionError):
+            await wait_until(read_all, 20, "every event to be readable")
         wrong = {oid: dict(c) for oid, c in per_order.items() if c != expected}
         assert not wrong, f"orders not applied exactly once: {dict(list(wrong.items())[:5])}"
         assert set(per_order) == {f"o-{i}" for i in range(ORDERS)}

@@ -245,7 +245,7 @@ async def test_poison_classes_land_with_their_reason(
     assert letter.headers[H_MSG_ID] == env.id  # original headers untouched
     assert letter.data == env.encode()
     # A command that will never be applied is CRITICAL (seed 000); one refused at the door is not.
-    [logged] = [r for r in caplog.records if r.getMessage().startswith("dead-lettered")]
+    [logged] = [r for r in caplog.records if r.name == "meshforge.consumer" and r.getMessage().startswith("dead-lettered")]
     assert logged.levelno == (logging.WARNING if reason == "rejected" else logging.CRITICAL)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -105,8 +106,9 @@ async def test_missing_ts_is_injected_from_the_stored_time(nats_url: str, sqlite
 
 
 async def test_same_idempotency_key_republishes_same_ids_and_changes_nothing(
-    nats_url: str, sqlite_url: str
+    nats_url: str, sqlite_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="meshforge.engine")
     agent = ledger_agent()
     settings = settings_for(nats_url, sqlite_url)
     metrics = Metrics()
@@ -130,6 +132,8 @@ async def test_same_idempotency_key_republishes_same_ids_and_changes_nothing(
         assert state.balance == 3
         skipped = metrics.duplicates_skipped.labels(consumer=f"{agent.name}_consumer")._value.get()
         assert skipped == 1
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Duplicate detected")]
+        assert len(said) == 1 and first.key in said[0]  # seed 001's log line
     finally:
         store.close()
         await conn.close()
@@ -202,3 +206,26 @@ def test_traceparent_of_output_is_child_of_command() -> None:
     child = cmd.child("x.credited", {}, 0)
     header = child.headers()["traceparent"]
     assert header.startswith(f"00-{cmd.trace_id}-") and header != format_traceparent(cmd.trace_id or "", cmd.span_id or "")
+
+
+async def test_published_marks_ride_in_later_transactions_or_land_when_idle(nats_url: str, sqlite_url: str) -> None:
+    agent = ledger_agent()
+    settings = settings_for(nats_url, sqlite_url, batch_size=2)
+    conn = await open_conn(settings)
+    store = await open_store_async(sqlite_url)
+    consumer = f"{agent.name}_consumer"
+
+    async def all_marked() -> bool:
+        effects = await asyncio.to_thread(lambda: list(store.effects_read(consumer)))
+        return len(effects) == 6 and all(e.published_at is not None for e in effects)
+
+    try:
+        async with running([agent], settings, store=store):
+            for i in range(6):
+                await send(conn, agent.name, "credit", {"account": f"a{i % 2}", "amount": 1})
+            await wait_until(lambda: consumer_idle(conn, agent.name))
+            # The last group's marks have no later transaction to ride in: the idle flush notes them.
+            await wait_until(all_marked, within=10, what="every effect marked published")
+    finally:
+        store.close()
+        await conn.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -27,9 +28,11 @@ from test_engine_support import (
     wait_until,
 )
 
+from meshforge.demo import OrderAgent
 from meshforge.envelope import Envelope
 from meshforge.errors import StoreError
 from meshforge.runtime.worker import Worker
+from meshforge.server import EmbeddedServer
 from meshforge.store import Store, Transaction
 
 
@@ -213,3 +216,94 @@ async def test_a_worker_told_to_stop_while_it_cannot_reach_nats_stops_at_once(
     await worker.stop()
     await asyncio.wait_for(run, 5)  # 100 attempts with backoff would take minutes
     assert not worker.ready.is_set()
+
+
+@pytest.mark.parametrize("store_kind", ["sqlite", "postgresql"])
+async def test_a_nul_in_a_resource_id_costs_only_its_own_command(
+    nats_url: str, sqlite_url: str, pg_database: str, store_kind: str
+) -> None:
+    agent = ledger_agent()
+    url = sqlite_url if store_kind == "sqlite" else pg_database
+    settings = settings_for(nats_url, url, batch_size=16)
+    conn = await open_conn(settings)
+    try:
+        subject = f"cmd.default.test.{agent.name}.credit"
+        good = [Envelope.new(f"{agent.name}.credit", {"account": f"acc{i}", "amount": 1}) for i in range(6)]
+        bad = Envelope.new(f"{agent.name}.credit", {"account": "bad\u0000id", "amount": 1})
+        # All in the stream before the worker starts: they arrive as one batch.
+        await send_many(conn, [(subject, e) for e in (*good[:3], bad, *good[3:])])
+        async with running([agent], settings):
+            await wait_until(lambda: consumer_idle(conn, agent.name), within=15)
+            info = await conn.js.consumer_info("MESHFORGE_COMMANDS", f"{agent.name}_consumer")
+        events = [m.envelope() for m in await events_of(conn, agent.name)]
+        applied = sorted(e.causation_id for e in events if e)
+        letters = reasons(await dead_letters_of(conn, agent.name))
+        assert info.num_redelivered == 0  # nothing went round the backoff
+        if store_kind == "sqlite":  # SQLite keeps NUL in text: the command is fine there
+            assert applied == sorted(e.id for e in (*good, bad)) and not letters
+        else:
+            assert applied == sorted(e.id for e in good)
+            assert list(letters) == [bad.id]
+            reason, error = letters[bad.id]
+            assert reason == "unrecoverable" and "NUL" in error and "\n" not in error
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("store_kind", ["sqlite", "postgresql"])
+async def test_a_nul_order_id_is_dead_lettered_alone_by_a_plain_function_agent(
+    private_server: EmbeddedServer, sqlite_url: str, pg_database: str, store_kind: str
+) -> None:
+    # OrderAgent's handlers are plain functions: its transaction runs whole in the store thread.
+    url = sqlite_url if store_kind == "sqlite" else pg_database
+    settings = settings_for(private_server.url, url, batch_size=16)
+    conn = await open_conn(settings)
+    tenant = f"t{uuid.uuid4().hex[:8]}"  # the shared database: rows of this test's own
+    subject = f"cmd.{tenant}.demo.order.create"
+    try:
+        good = [Envelope.new("order.create", {"order_id": f"o{i}", "sku": "S", "qty": 1}) for i in range(4)]
+        bad = Envelope.new("order.create", {"order_id": "o\u0000bad", "sku": "S", "qty": 1})
+        await send_many(conn, [(subject, e) for e in (good[0], good[1], bad, good[2], good[3])])
+        async with running([OrderAgent()], settings):
+            await wait_until(lambda: consumer_idle(conn, "order"), within=15)
+            info = await conn.js.consumer_info("MESHFORGE_COMMANDS", "order_consumer")
+        created = [m.envelope() for m in await events_of(conn, "order")]
+        applied = sorted(e.causation_id for e in created if e)
+        letters = reasons(await dead_letters_of(conn, "order"))
+        assert info.num_redelivered == 0
+        if store_kind == "sqlite":
+            assert applied == sorted(e.id for e in (*good, bad)) and not letters
+        else:
+            assert applied == sorted(e.id for e in good)
+            assert list(letters) == [bad.id] and letters[bad.id][0] == "unrecoverable"
+            assert "NUL" in letters[bad.id][1]
+    finally:
+        await conn.close()
+
+
+async def test_an_output_too_large_to_publish_is_refused_before_its_effect_is_stored(
+    nats_url: str, sqlite_url: str
+) -> None:
+    agent = ledger_agent()
+    settings = settings_for(nats_url, sqlite_url)
+    conn = await open_conn(settings)
+    try:
+        subject = f"cmd.default.test.{agent.name}.credit"
+        limit = conn.nc.max_payload
+        huge = Envelope.new(f"{agent.name}.credit", {"account": "a", "amount": 5, "mode": "huge", "bytes": limit})
+        good = Envelope.new(f"{agent.name}.credit", {"account": "a", "amount": 1})
+        await send_many(conn, [(subject, huge), (subject, good)])
+        store = await open_store_async(sqlite_url)
+        async with running([agent], settings, store=store):
+            await wait_until(lambda: consumer_idle(conn, agent.name), within=15)
+        stored = await asyncio.to_thread(lambda: list(store.effects_read()))
+        store.close()
+        letters = reasons(await dead_letters_of(conn, agent.name))
+        reason, error = letters[huge.id]
+        assert reason == "unrecoverable" and "max_payload" in error and "\n" not in error
+        # No effect was kept for it (its outputs could never leave); the next command ran.
+        assert [e.command_id for e in stored] == [good.id]
+        [event] = [m.envelope() for m in await events_of(conn, agent.name)]
+        assert event is not None and event.causation_id == good.id and event.payload["balance"] == 1
+    finally:
+        await conn.close()

@@ -44,7 +44,8 @@ def ledger_agent(name: str | None = None) -> Agent[Account]:
     ``credit {"account", "amount", "mode"?}`` emits ``credited`` and sends ``<name>x.notify``;
     ``mode`` makes the handler fail: ``invalid`` (ValueError), ``missing`` (KeyError),
     ``flaky`` (RuntimeError the first ``times`` deliveries), ``slow`` (sleeps ``seconds``),
-    ``bug`` (ZeroDivisionError every time), ``retry`` (Retry with delay 0.1).
+    ``bug`` (ZeroDivisionError every time), ``retry`` (Retry with delay 0.1), ``huge`` (an
+    event of ``bytes`` bytes).
     """
     agent_name = name or f"led{uuid.uuid4().hex[:8]}"
     failures: dict[str, int] = {}
@@ -77,6 +78,8 @@ def ledger_agent(name: str | None = None) -> Agent[Account]:
             if mode == "slow":
                 await asyncio.sleep(float(p["seconds"]))
             amount = int(p["amount"])
+            if mode == "huge":  # an event larger than the server takes
+                return [Event("credited", {"account": p["account"], "amount": amount, "pad": "x" * int(p["bytes"])})]
             return [
                 Event("credited", {"account": p["account"], "amount": amount,
                                    "balance": state.balance + amount}),

@@ -16,13 +16,11 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import nats
-import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -119,24 +117,10 @@ class Rig:
     tenants: dict[str, str]  # "A"/"B" -> this test's tenant names
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def fuzz_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'store.db'}"
-        return
-    base: str = request.getfixturevalue("pg_database")
-    root, _, _ = base.rpartition("/")
-    name = f"meshforge_fuzz_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(base, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    yield f"{root}/{name}"
-    with psycopg.connect(base, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
 
 @pytest.fixture
-async def rig(private_server: EmbeddedServer, fuzz_store: str) -> AsyncIterator[Rig]:
-    config = settings_for(private_server.url, fuzz_store, batch_size=16)
+async def rig(private_server: EmbeddedServer, own_store_url: str) -> AsyncIterator[Rig]:
+    config = settings_for(private_server.url, own_store_url, batch_size=16)
     worker = Worker([OrderAgent(), InventoryAgent()], config)
     task = asyncio.create_task(worker.run())
     await polling.wait_until(lambda: worker.ready.is_set() or task.done(), timeout=20, what="worker ready")

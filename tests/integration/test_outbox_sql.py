@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import uuid
 from pathlib import Path
 
 import psycopg
@@ -17,10 +18,13 @@ from meshforge.publisher import Publisher
 from meshforge.store import open_store
 from meshforge.subjects import STREAM_COMMANDS
 
-SUBJECT = "cmd.default.shop.inventory.reserve"
+
+def own_subject() -> str:
+    """A subject of this test alone: what another test's outbox sends never shows up here."""
+    return f"cmd.default.shop{uuid.uuid4().hex[:8]}.inventory.reserve"
 
 
-async def relay_all(url: str, conn: Connection, settings: Settings) -> list[Envelope]:
+async def relay_all(url: str, conn: Connection, settings: Settings, subject: str) -> list[Envelope]:
     """Publish every due outbox row once, then read back what the stream holds."""
     store = open_store(url)
     try:
@@ -33,7 +37,7 @@ async def relay_all(url: str, conn: Connection, settings: Settings) -> list[Enve
     found, seq = [], 1
     while True:
         try:
-            raw = await conn.js.get_msg(STREAM_COMMANDS, seq=seq, subject=SUBJECT, next=True)
+            raw = await conn.js.get_msg(STREAM_COMMANDS, seq=seq, subject=subject, next=True)
         except Exception:  # nothing at or after seq
             return found
         found.append(decode(raw.data or b"", raw.headers or {}))
@@ -45,16 +49,17 @@ async def test_psycopg_transaction_commits_the_message_with_the_row_or_neither(
     pg_database: str, meshforge_connection: Connection, meshforge_settings: Settings
 ) -> None:
     open_store(pg_database).close()  # creates the outbox table, as `meshforge relay` would
+    subject = own_subject()
     kept = Envelope.new("inventory.reserve", {"order_id": "pg-1"})
     with psycopg.connect(pg_database) as db:
         db.execute("CREATE TABLE IF NOT EXISTS web_orders (order_id TEXT PRIMARY KEY)")
         with db.transaction(), db.cursor() as cur:
             cur.execute("INSERT INTO web_orders VALUES (%s)", ("pg-1",))
-            enqueue_on(cur, SUBJECT, kept)
+            enqueue_on(cur, subject, kept)
         with pytest.raises(psycopg.errors.UniqueViolation), db.transaction(), db.cursor() as cur:
-            enqueue_on(cur, SUBJECT, Envelope.new("inventory.reserve", {"order_id": "pg-2"}))
+            enqueue_on(cur, subject, Envelope.new("inventory.reserve", {"order_id": "pg-2"}))
             cur.execute("INSERT INTO web_orders VALUES (%s)", ("pg-1",))  # fails: rolls back both
-    sent = await relay_all(pg_database, meshforge_connection, meshforge_settings)
+    sent = await relay_all(pg_database, meshforge_connection, meshforge_settings, subject)
     assert [(e.id, e.payload) for e in sent] == [(kept.id, {"order_id": "pg-1"})]
 
 
@@ -63,18 +68,19 @@ async def test_sqlite3_transaction_commits_the_message_with_the_row_or_neither(
 ) -> None:
     url = f"sqlite:///{tmp_path / 'web.db'}"
     open_store(url).close()
+    subject = own_subject()
     kept = Envelope.new("inventory.reserve", {"order_id": "s-1"})
     db = sqlite3.connect(tmp_path / "web.db")
     try:
         db.execute("CREATE TABLE web_orders (order_id TEXT PRIMARY KEY)")
         with db:  # one transaction
             db.execute("INSERT INTO web_orders VALUES (?)", ("s-1",))
-            enqueue_on(db.cursor(), SUBJECT, kept, dialect="sqlite")
+            enqueue_on(db.cursor(), subject, kept, dialect="sqlite")
         with pytest.raises(sqlite3.IntegrityError), db:
-            enqueue_on(db.cursor(), SUBJECT, Envelope.new("inventory.reserve", {"order_id": "s-2"}),
+            enqueue_on(db.cursor(), subject, Envelope.new("inventory.reserve", {"order_id": "s-2"}),
                        dialect="sqlite")  # fmt: skip
             db.execute("INSERT INTO web_orders VALUES (?)", ("s-1",))
     finally:
         db.close()
-    sent = await relay_all(url, meshforge_connection, meshforge_settings)
+    sent = await relay_all(url, meshforge_connection, meshforge_settings, subject)
     assert [(e.id, e.payload) for e in sent] == [(kept.id, {"order_id": "s-1"})]

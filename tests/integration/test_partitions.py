@@ -9,13 +9,11 @@ import subprocess
 import sys
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import nats
-import psycopg
-import pytest
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig, SubjectTransform
 from nats.js.kv import KeyValue
@@ -158,17 +156,6 @@ async def test_a_joining_holder_gets_slots_handed_back(js: JetStreamContext) -> 
 
 # ------------------------------------------------------------------ worker processes
 
-
-@pytest.fixture
-def own_pg(pg_database: str) -> Iterator[str]:
-    """A database of this test's own: its agent's rows meet no other test's."""
-    base, _, _ = pg_database.rpartition("/")
-    name = f"meshforge_parts_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_database, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    yield f"{base}/{name}"
-    with psycopg.connect(pg_database, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def start_worker(url: str, store: str, log: Path) -> subprocess.Popen[bytes]:

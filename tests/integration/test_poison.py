@@ -4,12 +4,8 @@ server closes, and `dlq redrive --all` while the worker runs."""
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from nats.js import JetStreamContext
 from test_engine_support import (
@@ -38,20 +34,6 @@ from meshforge.subjects import STREAM_EVENTS
 ORDER = "cmd.default.demo.order.create"
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A store of this test's own: SQLite, or a fresh PostgreSQL database."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'store.db'}"
-        return
-    admin_url: str = request.getfixturevalue("pg_database")
-    name = f"meshforge_poison_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    yield f"{admin_url.rpartition('/')[0]}/{name}"
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
 
 async def order(publisher: Publisher, order_id: str) -> Envelope:
     env = Envelope.new("order.create", {"order_id": order_id, "sku": "S1", "qty": 1}, source="test")
@@ -70,11 +52,11 @@ async def demo_idle(conn: Connection) -> bool:
 
 
 async def poison_then_check(
-    server: EmbeddedServer, store_url: str, body: bytes, headers: dict[str, str], cut: str
+    server: EmbeddedServer, own_store_url: str, body: bytes, headers: dict[str, str], cut: str
 ) -> None:
     """Good order, poison, good order with the demo agents running: both orders applied once,
     the poison dead-lettered (truncated, ``cut`` in Dlq-Truncated), the worker still up."""
-    settings = settings_for(server.url, store_url)
+    settings = settings_for(server.url, own_store_url)
     conn = await open_conn(settings)
     publisher = Publisher(conn.js)
     try:
@@ -104,20 +86,20 @@ async def _has(conn: Connection, order_id: str) -> bool:
 
 
 async def test_a_body_near_max_payload_is_dead_lettered_and_the_worker_goes_on(
-    private_server: EmbeddedServer, store_url: str
+    private_server: EmbeddedServer, own_store_url: str
 ) -> None:
-    conn = await open_conn(settings_for(private_server.url, store_url))
+    conn = await open_conn(settings_for(private_server.url, own_store_url))
     limit = conn.nc.max_payload  # from the server INFO
     await conn.close()
     body = b"\x00not json " * ((limit - 100) // 10)
-    await poison_then_check(private_server, store_url, body, {}, f"body={len(body)};kept=")
+    await poison_then_check(private_server, own_store_url, body, {}, f"body={len(body)};kept=")
 
 
 async def test_headers_near_64k_are_dead_lettered_not_stuck(
-    private_server: EmbeddedServer, store_url: str
+    private_server: EmbeddedServer, own_store_url: str
 ) -> None:
     headers = {"X-Big": "h" * 65_440}
-    await poison_then_check(private_server, store_url, b"{not json", headers, "dropped=X-Big")
+    await poison_then_check(private_server, own_store_url, b"{not json", headers, "dropped=X-Big")
 
 
 async def test_a_connection_the_server_closes_is_reconnected(

@@ -6,12 +6,9 @@ Each test runs the demo agents against a server of its own, on SQLite and Postgr
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
-import psycopg
 import pytest
 from test_engine_support import (
     EventWatchFor,
@@ -36,18 +33,6 @@ from meshforge.topology import agent_consumer
 
 NS = "demo"
 
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A store of the test's own on each backend (the demo agents' names are fixed)."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'store.db'}"
-        return
-    database: str = request.getfixturevalue("pg_database")
-    schema = f"tenants_{uuid.uuid4().hex[:10]}"
-    yield f"{database}?schema={schema}"
-    with psycopg.connect(database, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 class Tenants:
@@ -75,11 +60,11 @@ class Tenants:
 
 
 @pytest.fixture
-async def tenants(private_server: EmbeddedServer, store_url: str) -> AsyncIterator[Tenants]:
-    settings = settings_for(private_server.url, store_url)
+async def tenants(private_server: EmbeddedServer, own_store_url: str) -> AsyncIterator[Tenants]:
+    settings = settings_for(private_server.url, own_store_url)
     conn = await open_conn(settings)
     watch = await EventWatchFor.start(conn, "evt.>")
-    store = await asyncio.to_thread(open_store, store_url)
+    store = await asyncio.to_thread(open_store, own_store_url)
     try:
         async with running([OrderAgent(), InventoryAgent()], settings, store=store):
             yield Tenants(conn, watch, store)
@@ -90,7 +75,7 @@ async def tenants(private_server: EmbeddedServer, store_url: str) -> AsyncIterat
 
 
 async def test_a_tenant_header_or_body_that_is_not_the_subjects_is_rejected(
-    tenants: Tenants, store_url: str
+    tenants: Tenants, own_store_url: str
 ) -> None:
     order = {"order_id": "o-spoof", "sku": "S1", "qty": 1}
     by_header = await tenants.ask("tenantA", "order.create", order, headers={"Tenant-Id": "tenantB"})
@@ -146,7 +131,7 @@ async def test_a_tenant_cannot_take_another_tenants_stock(tenants: Tenants) -> N
 
 
 async def test_an_idempotency_key_of_one_tenant_never_suppresses_anothers(
-    tenants: Tenants, store_url: str
+    tenants: Tenants, own_store_url: str
 ) -> None:
     key = "req-shared"
     first = await tenants.ask("tenantA", "order.create", {"order_id": "o-a", "sku": "S1", "qty": 1},
@@ -162,19 +147,19 @@ async def test_an_idempotency_key_of_one_tenant_never_suppresses_anothers(
     assert effects == {Scope("tenantA", NS): first.id, Scope("tenantB", NS): second.id}
 
 
-def tenant_settings(server: EmbeddedServer, store_url: str, tenant: str) -> Settings:
+def tenant_settings(server: EmbeddedServer, own_store_url: str, tenant: str) -> Settings:
     """Settings of a worker bound to ``tenant`` through MESHFORGE_TENANT."""
-    base = settings_for(server.url, store_url)
-    values = {"nats_url": base.nats_url, "store_url": store_url, "ack_wait": 2.0,
+    base = settings_for(server.url, own_store_url)
+    values = {"nats_url": base.nats_url, "store_url": own_store_url, "ack_wait": 2.0,
               "backoff": (0.2, 0.4, 0.6), "max_deliver": 4, "shutdown_timeout": 5.0}  # fmt: skip
     return load_settings(values, env={"MESHFORGE_TENANT": tenant})
 
 
 async def test_workers_bound_to_two_tenants_each_keep_their_own_consumer(
-    private_server: EmbeddedServer, store_url: str
+    private_server: EmbeddedServer, own_store_url: str
 ) -> None:
-    a = tenant_settings(private_server, store_url, "tenantA")
-    b = tenant_settings(private_server, store_url, "tenantB")
+    a = tenant_settings(private_server, own_store_url, "tenantA")
+    b = tenant_settings(private_server, own_store_url, "tenantB")
     assert a.tenant == "tenantA"
     conn = await open_conn(a)
     watch = await EventWatchFor.start(conn, "evt.>")
@@ -198,10 +183,10 @@ async def test_workers_bound_to_two_tenants_each_keep_their_own_consumer(
 
 
 async def test_an_unbound_worker_beside_a_bound_one_is_refused_naming_both(
-    private_server: EmbeddedServer, store_url: str
+    private_server: EmbeddedServer, own_store_url: str
 ) -> None:
-    unbound = settings_for(private_server.url, store_url)
-    bound = tenant_settings(private_server, store_url, "tenantA")
+    unbound = settings_for(private_server.url, own_store_url)
+    bound = tenant_settings(private_server, own_store_url, "tenantA")
     async with running([OrderAgent()], unbound):
         with pytest.raises(OverlapError) as info:
             async with running([OrderAgent()], bound):
@@ -212,9 +197,9 @@ async def test_an_unbound_worker_beside_a_bound_one_is_refused_naming_both(
 
 
 async def test_provisioning_never_rewrites_the_filter_a_worker_relies_on(
-    private_server: EmbeddedServer, store_url: str
+    private_server: EmbeddedServer, own_store_url: str
 ) -> None:
-    settings = settings_for(private_server.url, store_url)
+    settings = settings_for(private_server.url, own_store_url)
     conn = await open_conn(settings)
     try:
         # A consumer named like the unbound one but filtered to one tenant (as older

@@ -20,12 +20,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -156,12 +156,22 @@ async def read_stream(
     )
     sub = await js.pull_subscribe(subject, stream=stream, config=config)
     out: list[StreamMessage] = []
+    deadline = time.monotonic() + max(30.0, 10 * fetch_wait)
     try:
         while True:
             try:
                 msgs = await sub.fetch(batch, timeout=fetch_wait)
-            except nats.errors.TimeoutError:
-                break
+            except TimeoutError:  # nats-py raises its own, or asyncio's when its deadline passed
+                # A slow server (a replica catching up, a busy machine) is not the end of the stream.
+                try:
+                    left = (await sub.consumer_info()).num_pending
+                except Exception:  # e.g. the consumer's leader moving: ask again
+                    left = None
+                if left == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"reading {stream} ({subject}) stalled with messages left") from None
+                continue
             for m in msgs:
                 out.append(StreamMessage(m.subject, m.metadata.sequence.stream, dict(m.headers or {}), m.data))
             if msgs and (msgs[-1].metadata.num_pending == 0 or msgs[-1].metadata.sequence.stream >= last):

@@ -1,13 +1,22 @@
 """The effect loop: each command gets exactly one effect however often it is delivered.
 
-``Engine.handle`` is a consumer batch handler. For one batch of deliveries it opens ONE
-store transaction, locks the resources involved (in sorted order, so workers sharing
-the consumer cannot deadlock), and for each delivery in stream order: a key already
-processed has its stored outputs published again (same ids) and is acked; a new one runs
-its handler over the resource's evolving state. Then the new states, events and outputs
-of the whole batch are committed together, the outputs are published pipelined, and
-the decisions go back to the consumer, which acks. A crash anywhere before the ack
-ends in a redelivery that finds the key and re-publishes, so no effect is lost or doubled.
+``Engine.handle`` is a consumer batch handler. The batches handed to it wait for the
+commit stage, which takes all of them that are waiting (up to ``max_batch`` commands: a
+light load gives small groups, a backlog full ones) into ONE store transaction. It locks
+the resources involved (in sorted order, so workers sharing the consumer cannot
+deadlock), and for each delivery in stream order: a key already processed has its stored
+outputs published again (same ids); a new one runs its handler over the resource's
+evolving state. The group's states, events and outputs commit together; the keys whose
+outputs the previous groups published are marked in the same transaction. The outputs
+then go to the publish stage (``meshforge.runtime.stage``), which sends groups in commit
+order while the next group already commits; each ``handle`` call returns its decisions
+once its outputs are out, and the consumer acks. A crash anywhere before the ack ends in
+a redelivery that finds the key and re-publishes, so no effect is lost or doubled.
+
+A transaction that fails for a reason of its own (not a retriable store error) is split
+in halves and run again, so one bad command costs only itself: a value the store can
+never hold (NUL in PostgreSQL text, a number out of range) is dead-lettered
+``unrecoverable``, anything else is retried on its own.
 
 Example::
 
@@ -18,24 +27,36 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import inspect
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from meshforge.config import Settings
-from meshforge.decisions import Action, Decision, Delivery, backoff_delay, decide
-from meshforge.envelope import Envelope, Outbound
+from meshforge.decisions import (
+    REASON_UNRECOVERABLE,
+    Action,
+    Decision,
+    Delivery,
+    backoff_delay,
+    decide,
+)
+from meshforge.envelope import H_MSG_ID, Envelope, Outbound
 from meshforge.errors import InvalidSubject, PublishError, StoreError, Unrecoverable, one_line
 from meshforge.faults import crash_point
 from meshforge.observability import Metrics
 from meshforge.publisher import Publisher
-from meshforge.runtime.agent import Agent, CommandSpec, Event, Output
+from meshforge.runtime.agent import Agent, Event, Output
+from meshforge.runtime.effects import Conflict, EffectStore, Plan, Work, drive
+from meshforge.runtime.marks import PublishedMarks
 from meshforge.runtime.outputs import build_outputs, decode_payload, event_name
+from meshforge.runtime.stage import PublishStage
 from meshforge.scope import Scope, command_scope
-from meshforge.store.base import NewEvent, Store, StoredOutput, Transaction
+from meshforge.sizes import check_fits
+from meshforge.store.base import Store, StoredOutput
 
 __all__ = ["Engine", "consumer_name"]
 
@@ -50,6 +71,7 @@ _UNRECOVERABLE: tuple[type[BaseException], ...] = (
 # A batch whose effect key another worker committed meanwhile is simply run again.
 _BATCH_ATTEMPTS = 4
 _STORE_RETRY_DELAY = 0.5
+_MARK_IDLE = 1.0  # seconds without a commit before published marks get their own
 
 
 def consumer_name(agent: str) -> str:
@@ -58,32 +80,13 @@ def consumer_name(agent: str) -> str:
 
 
 @dataclass(slots=True)
-class _Work:
-    """One delivery of the batch on its way through the loop."""
+class _Batch:
+    """The deliveries of one ``handle`` call: their decisions, and when they are settled."""
 
-    index: int
-    delivery: Delivery
-    env: Envelope
-    spec: CommandSpec
-    resource: str
-    scope: Scope  # the subject's tenant and namespace: the key of everything stored for it
-    outputs: list[StoredOutput] = field(default_factory=list)
-    events: list[NewEvent] = field(default_factory=list)
-    fresh: bool = False  # ran its handler in this batch (not a stored effect)
-
-
-@dataclass(slots=True)
-class _Plan:
-    """What one attempt of the batch decided: per-index decisions and work to publish."""
-
-    decisions: dict[int, Decision] = field(default_factory=dict)
-    done: list[_Work] = field(default_factory=list)
-    duplicates: int = 0
-    states: dict[tuple[Scope, str], Any] = field(default_factory=dict)
-
-
-class _Conflict(Exception):
-    """Another worker stored an effect this batch also computed: run the batch again."""
+    decisions: list[Decision | None]
+    works: list[Work]
+    done: asyncio.Future[None]
+    taken: bool = False  # committed in some call's group (maybe another call's)
 
 
 class Engine(Generic[S]):
@@ -106,14 +109,27 @@ class Engine(Generic[S]):
         self.metrics = metrics or Metrics.default()
         self.consumer = consumer_name(agent.name)
         self.handler_timeout = handler_timeout or min(self.settings.ack_wait / 2, 30.0)
+        #: Most commands one transaction takes from the batches waiting for it.
+        self.max_batch = self.settings.batch_size
         self._commands = agent.commands()
+        # Plain-function handlers behind the stock Agent.handle run without awaiting anything.
+        stock = type(agent).handle is Agent.handle
+        self._sync_commands = frozenset(
+            name for name, spec in self._commands.items()
+            if stock and not inspect.iscoroutinefunction(spec.handler)
+        )  # fmt: skip
         # The batch's transaction lives in this one thread from BEGIN to COMMIT.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"meshforge-{agent.name}-store")
-        # One batch at a time, commit to publish: same-resource outputs leave in order.
-        self._serial = asyncio.Lock()
+        # One transaction at a time; the publish stage keeps their order on the wire.
+        self._commit = asyncio.Lock()
+        self._queue: deque[_Batch] = deque()
+        self._stage = PublishStage(self.consumer, publisher)
+        self._tx = EffectStore(agent, store, self.consumer)
+        self._marks = PublishedMarks(self._flush_marks, idle=_MARK_IDLE)
 
     def close(self) -> None:
         """Release the store thread (the store itself belongs to the caller)."""
+        self._marks.close()
         self._thread.shutdown(wait=True)
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -123,33 +139,69 @@ class Engine(Generic[S]):
 
     async def handle(self, deliveries: Sequence[Delivery]) -> list[Decision]:
         """One decision per delivery, same order; see the module docstring."""
-        async with self._serial:
-            return await self._handle(deliveries)
-
-    async def _handle(self, deliveries: Sequence[Delivery]) -> list[Decision]:
-        decisions: list[Decision | None] = [None] * len(deliveries)
-        works: list[_Work] = []
+        batch = _Batch([None] * len(deliveries), [], asyncio.get_running_loop().create_future())
         for i, delivery in enumerate(deliveries):
             verdict = self._admit(i, delivery)
-            if isinstance(verdict, _Work):
-                works.append(verdict)
+            if isinstance(verdict, Work):
+                verdict.owner = batch.decisions
+                batch.works.append(verdict)
             else:
-                decisions[i] = verdict
+                batch.decisions[i] = verdict
+        if batch.works:
+            self._queue.append(batch)
+            crash_point("after_enqueue")
+            async with self._commit:
+                if not batch.taken:  # else an earlier call committed it in its group
+                    await self._commit_group()
+            # Shielded: the publish stage settles every batch of a group, whoever waits.
+            await asyncio.shield(batch.done)
+        return [d if d is not None else Decision.ack() for d in batch.decisions]
+
+    async def _commit_group(self) -> None:
+        """Commit the batches waiting (up to ``max_batch`` commands) in one transaction and
+        hand their outputs to the publish stage: the next group commits while they go out."""
+        group: list[_Batch] = []
+        works: list[Work] = []
+        while self._queue and (not works or len(works) + len(self._queue[0].works) <= self.max_batch):
+            batch = self._queue.popleft()
+            batch.taken = True
+            group.append(batch)
+            works += batch.works
         # Same-resource commands run in the order they were stored.
         works.sort(key=lambda w: w.delivery.seq)
-        plan = await self._attempt(works) if works else _Plan()
+        for index, work in enumerate(works):
+            work.index = index
+        overlapping = self._stage.busy
+        try:
+            plan = await self._attempt(works)
+        except BaseException as exc:
+            for batch in group:
+                if not batch.done.done():
+                    batch.done.set_exception(exc)
+            raise
+        if overlapping:
+            crash_point("after_commit_while_publishing")
         for index, decision in plan.decisions.items():
-            decisions[index] = decision
-        if plan.done:
-            failed = await self._publish(plan.done)
-            for work in failed:
-                decisions[work.index] = Decision.nak(self._delay(work.delivery))
+            works[index].decide(decision)
         if plan.duplicates:
             self.metrics.duplicates_skipped.labels(consumer=self.consumer).inc(plan.duplicates)
-        crash_point("after_publish")
-        return [d if d is not None else Decision.ack() for d in decisions]
+        done = plan.done
+        items = [
+            Outbound(subject=o.subject, data=o.data, headers=o.headers, msg_id=o.msg_id)
+            for w in done
+            for o in w.outputs
+        ]
 
-    def _admit(self, index: int, delivery: Delivery) -> _Work | Decision:
+        def sent() -> None:
+            self._marks.add([(w.scope, w.env.key) for w in done if w.fresh])
+
+        def failed() -> None:
+            for work in done:
+                work.decide(Decision.nak(self._delay(work.delivery)))
+
+        self._stage.submit(items, on_sent=sent, on_failed=failed, settle=[b.done for b in group])
+
+    def _admit(self, index: int, delivery: Delivery) -> Work | Decision:
         env = delivery.envelope
         if env is None:
             return Decision.dead_letter("malformed", "no envelope could be decoded")
@@ -165,7 +217,8 @@ class Engine(Generic[S]):
             resource = self.agent.resource_key(env, spec)
         except Exception as exc:
             return self._failure(delivery, exc)
-        return _Work(index, delivery, env, spec, resource, command_scope(delivery.subject, env.tenant_id))
+        scope = command_scope(delivery.subject, env.tenant_id)
+        return Work(index, delivery, env, spec, resource, scope, position=index)
 
     def _command_of(self, env: Envelope, subject: str) -> str | None:
         prefix = self.agent.name + "."
@@ -177,53 +230,119 @@ class Engine(Generic[S]):
             return None
         return tokens[4]
 
-    async def _attempt(self, works: list[_Work]) -> _Plan:
+    async def _attempt(self, works: list[Work]) -> Plan:
+        """Run the works in one transaction; if it fails for a reason of its own, split them."""
+        try:
+            return await self._retrying(works)
+        except StoreError as exc:
+            return await self._split(works, exc)
+
+    async def _retrying(self, works: list[Work]) -> Plan:
+        """One transaction, run again on conflicts and retriable errors; raises the others."""
         for attempt in range(1, _BATCH_ATTEMPTS + 1):
             try:
                 return await self._run(works)
-            except _Conflict:
+            except Conflict:
                 log.info("%s: another worker stored an effect of this batch; running it again", self.consumer)
             except StoreError as exc:
-                if not exc.retriable or attempt == _BATCH_ATTEMPTS:
+                if not exc.retriable:
+                    raise
+                if attempt == _BATCH_ATTEMPTS:
                     log.warning("%s: store failed, batch will be redelivered: %s", self.consumer, exc)
                     return self._nak_all(works)
-            for work in works:
-                work.outputs, work.events, work.fresh = [], [], False
+            self._reset(works)
         return self._nak_all(works)
 
-    def _nak_all(self, works: list[_Work]) -> _Plan:
-        # Not the handler's fault: come back soon, without burning the backoff schedule.
-        return _Plan(decisions={w.index: Decision.nak(_STORE_RETRY_DELAY) for w in works})
+    async def _split(self, works: list[Work], exc: StoreError) -> Plan:
+        """Bisect a batch whose transaction failed: the innocent halves commit, the culprit
+        alone is dead-lettered (data no store can take) or retried."""
+        self._reset(works)
+        if len(works) == 1:
+            return Plan(decisions={works[0].index: self._store_failure(works[0], exc)})
+        log.info("%s: transaction of %d commands failed (%s); splitting it",
+                 self.consumer, len(works), one_line(exc))  # fmt: skip
+        mid = len(works) // 2
+        plan = await self._attempt(works[:mid])
+        # A resource whose earlier command waits must not run its later ones first.
+        held = {(w.scope, w.resource): d.delay for w in works[:mid]
+                if (d := plan.decisions.get(w.index)) is not None and d.action is Action.NAK}  # fmt: skip
+        rest: list[Work] = []
+        for work in works[mid:]:
+            if (work.scope, work.resource) in held:
+                plan.decisions[work.index] = Decision.nak(held[(work.scope, work.resource)])
+            else:
+                rest.append(work)
+        if rest:
+            second = await self._attempt(rest)
+            plan.decisions.update(second.decisions)
+            plan.done += second.done
+            plan.duplicates += second.duplicates
+        return plan
 
-    async def _run(self, works: list[_Work]) -> _Plan:
-        cm = await self._in_thread(self.store.transaction)
-        tx: Transaction = await self._in_thread(cm.__enter__)
-        exc_info: tuple[Any, Any, Any] = (None, None, None)
+    def _store_failure(self, work: Work, exc: StoreError) -> Decision:
+        if exc.kind == "invalid":
+            # Deterministic for this message: every retry would fail the same way.
+            return Decision.dead_letter(REASON_UNRECOVERABLE, exc)
+        return self._failure(work.delivery, exc)
+
+    @staticmethod
+    def _reset(works: list[Work]) -> None:
+        for work in works:
+            work.outputs, work.events, work.fresh = [], [], False
+
+    def _nak_all(self, works: list[Work]) -> Plan:
+        # Not the handler's fault: come back soon, without burning the backoff schedule.
+        return Plan(decisions={w.index: Decision.nak(_STORE_RETRY_DELAY) for w in works})
+
+    async def _run(self, works: list[Work]) -> Plan:
+        """One transaction. Plain-function handlers need no event loop: the whole of it runs
+        in one trip to the store thread. Others take two: open and read, then (after the
+        handlers ran here) write and commit. Each trip waits for a thread switch."""
+        # Published keys ride along in this transaction: no transaction of their own.
+        marks = self._marks.take()
+        failure: BaseException | None = None
         try:
-            plan = await self._process(tx, works)
-            crash_point("after_handler")
-            await self._in_thread(self._store_effects, tx, plan)
+            if self._sync_commands.issuperset(w.spec.name for w in works):
+                plan = await self._in_thread(self._run_here, works, marks)
+            else:
+                cm, tx, raw, stored = await self._in_thread(self._tx.open, works)
+                try:
+                    plan = await self._process(works, raw, stored)
+                    crash_point("after_handler")
+                except BaseException as exc:
+                    await self._in_thread(self._tx.abort, cm, exc)
+                    raise
+                await self._in_thread(self._tx.finish, cm, tx, plan, marks)
         except BaseException as exc:
-            exc_info = (type(exc), exc, exc.__traceback__)
+            failure = exc
             raise
         finally:
-            try:
-                await self._in_thread(cm.__exit__, *exc_info)
-            except StoreError as exc:
-                if exc_info[0] is None:
-                    raise
-                log.debug("%s: rollback after an error also failed: %s", self.consumer, exc)
+            retry = isinstance(failure, Conflict) or (isinstance(failure, StoreError) and failure.retriable)
+            self._marks.done(marks, failure, retry=retry)
         crash_point("after_commit")
         return plan
 
-    async def _process(self, tx: Transaction, works: list[_Work]) -> _Plan:
+    def _run_here(self, works: list[Work], marks: list[tuple[Scope, str]]) -> Plan:
+        """The whole transaction in the store thread (every handler a plain function)."""
+        cm, tx, raw, stored = self._tx.open(works)
+        try:
+            plan = drive(self._process(works, raw, stored))
+            crash_point("after_handler")
+        except BaseException as exc:
+            self._tx.abort(cm, exc)
+            raise
+        self._tx.finish(cm, tx, plan, marks)
+        return plan
+
+    async def _process(
+        self,
+        works: list[Work],
+        raw: dict[tuple[Scope, str], bytes | None],
+        stored: dict[tuple[Scope, str], list[StoredOutput] | None],
+    ) -> Plan:
         agent = self.agent
-        plan = _Plan()
-        raw = await self._in_thread(self._load, tx, works)
+        plan = Plan()
         plan.states = states = {r: self._decode(data) for r, data in raw.items()}
-        stored: dict[tuple[Scope, str], list[StoredOutput] | None] = await self._in_thread(
-            self._effects, tx, works
-        )
         blocked: dict[tuple[Scope, str], float | None] = {}  # resource -> delay of its failure
         for work in works:
             d = work.delivery
@@ -236,14 +355,24 @@ class Engine(Generic[S]):
                 work.outputs = previous
                 plan.done.append(work)
                 plan.duplicates += 1
+                # Seed 001's words, so an operator's search for them finds it.
+                log.info("Duplicate detected: %s key %r (%s, stream seq %d) was processed before;"
+                         " re-publishing its %d stored output(s)", self.consumer, work.env.key,
+                         work.scope, d.seq, len(previous))  # fmt: skip
                 continue
             try:
-                async with asyncio.timeout(self.handler_timeout):
-                    outputs: list[Output] = await agent.handle(work.spec, work.env, states[slot])
+                outputs: list[Output]
+                if work.spec.name in self._sync_commands:
+                    # Never suspends, so a timer could not interrupt it: spare one per command.
+                    outputs = await agent.handle(work.spec, work.env, states[slot])
+                else:
+                    async with asyncio.timeout(self.handler_timeout):
+                        outputs = await agent.handle(work.spec, work.env, states[slot])
                 new_state, work.outputs, work.events = build_outputs(
                     agent, work.env, work.resource, d.subject, outputs, states[slot],
                     self.settings.partitions,
                 )
+                self._check_sizes(work.outputs)
             except Exception as exc:
                 # The handler may have changed the state in place: rebuild it.
                 states[slot] = self._rebuild(slot, raw[slot], plan)
@@ -258,10 +387,20 @@ class Engine(Generic[S]):
             plan.done.append(work)
         return plan
 
+    def _check_sizes(self, outputs: list[StoredOutput]) -> None:
+        """An output the server would refuse could never be published: refuse the command
+        before its effect is stored, instead of storing an effect whose outputs never leave."""
+        limits = self.publisher.limits()
+        for out in outputs:
+            try:
+                check_fits(out.subject, out.data, {**out.headers, H_MSG_ID: out.msg_id}, limits)
+            except PublishError as exc:
+                raise Unrecoverable(f"output {out.position}: {exc}") from None
+
     def _decode(self, data: bytes | None) -> S:
         return self.agent.initial() if data is None else self.agent.decode_state(data)
 
-    def _rebuild(self, slot: tuple[Scope, str], data: bytes | None, plan: _Plan) -> S:
+    def _rebuild(self, slot: tuple[Scope, str], data: bytes | None, plan: Plan) -> S:
         """The resource's state as of the batch start plus the events this batch made."""
         state = self._decode(data)
         for work in plan.done:
@@ -271,74 +410,15 @@ class Engine(Generic[S]):
                     state = self.agent.apply(state, Event(name, decode_payload(event.data)))
         return state
 
-    # ------------------------------------------------------------------ store work (thread)
+    # ------------------------------------------------------------------ published marks
 
-    def _load(self, tx: Transaction, works: list[_Work]) -> dict[tuple[Scope, str], bytes | None]:
-        # Sorted: two workers locking the same resources take them in the same order.
-        name = self.agent.name
-        slots = sorted({(w.scope, w.resource) for w in works})
-        return {(s, r): tx.state_get(name, r, scope=s) for s, r in slots}
-
-    def _effects(
-        self, tx: Transaction, works: list[_Work]
-    ) -> dict[tuple[Scope, str], list[StoredOutput] | None]:
-        keys = {(w.scope, w.env.key) for w in works}
-        return {(s, k): tx.effect_get(self.consumer, k, scope=s) for s, k in keys}
-
-    def _store_effects(self, tx: Transaction, plan: _Plan) -> None:
-        fresh = [w for w in plan.done if w.fresh]
-        by_scope: dict[Scope, list[NewEvent]] = {}
-        for w in fresh:
-            by_scope.setdefault(w.scope, []).extend(w.events)
-        last: dict[tuple[Scope, str], int] = {}
-        for scope, events in sorted(by_scope.items()):
-            if not events:
-                continue
-            positions = tx.events_append(self.agent.name, events, scope=scope)
-            for event, position in zip(events, positions, strict=True):
-                last[(scope, event.resource_id or "")] = position
-        states = plan.states
-        for (scope, resource), position in sorted(last.items()):
-            data = self.agent.encode_state(states[(scope, resource)])
-            tx.state_put(self.agent.name, resource, data, position, scope=scope)
-        for work in fresh:
+    async def _flush_marks(self) -> None:
+        async with self._commit:
+            marks = self._marks.take()
             try:
-                tx.effect_put(self.consumer, work.env.key, work.env.id, work.outputs, scope=work.scope)
-            except StoreError as exc:
-                if exc.kind == "duplicate":
-                    raise _Conflict() from exc
-                raise
-
-    # ------------------------------------------------------------------ publishing
-
-    async def _publish(self, done: list[_Work]) -> list[_Work]:
-        """Publish every output of the batch; returns the works whose outputs did not all go."""
-        items = [
-            Outbound(subject=o.subject, data=o.data, headers=o.headers, msg_id=o.msg_id)
-            for w in done
-            for o in w.outputs
-        ]
-        if not items:
-            return []
-        half = max(1, len(items) // 2)
-        try:
-            await self.publisher.publish_many(items[:half])
-            crash_point("after_partial_publish")
-            if items[half:]:
-                await self.publisher.publish_many(items[half:])
-        except PublishError as exc:
-            log.warning("%s: publishing outputs failed, batch will be redelivered: %s", self.consumer, exc)
-            return done
-        with contextlib.suppress(StoreError):
-            await self._in_thread(self._mark_published, [(w.scope, w.env.key) for w in done if w.fresh])
-        return []
-
-    def _mark_published(self, keys: list[tuple[Scope, str]]) -> None:
-        if not keys:
-            return
-        with self.store.transaction() as tx:
-            for scope, key in keys:
-                tx.effect_mark_published(self.consumer, key, scope=scope)
+                await self._in_thread(self._tx.mark_published, marks)
+            finally:
+                self._marks.done(marks, None)
 
     # ------------------------------------------------------------------ failures
 

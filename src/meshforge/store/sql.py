@@ -14,9 +14,11 @@ from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
-from meshforge.errors import ConfigError, StoreError
+from meshforge.errors import ConfigError, StoreError, one_line
 
 _SQLITE_TS = "%Y-%m-%dT%H:%M:%S.%fZ"
+# Values a driver refuses to bind before the database sees them: deterministic per value.
+_UNBINDABLE: tuple[type[Exception], ...] = (UnicodeError, OverflowError)
 
 
 class Cursor(Protocol):
@@ -250,6 +252,10 @@ class Runner:
         except self.dialect.driver_errors as exc:
             self.failed = True
             raise self.dialect.to_store_error(exc) from exc
+        except _UNBINDABLE as exc:
+            # The driver could not even send the value (lone surrogate, huge integer).
+            self.failed = True
+            raise StoreError(f"{self.dialect.name} store: {one_line(exc)}", kind="invalid") from exc
         return self._cursor
 
 

@@ -40,6 +40,8 @@ def _to_store_error(exc: Exception) -> StoreError:
         return StoreError(text, kind=kind)
     if isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc)):
         return StoreError(text, kind="busy", retriable=True)
+    if isinstance(exc, sqlite3.DataError):
+        return StoreError(text, kind="invalid")  # e.g. a string or blob too big
     return StoreError(text)
 
 

@@ -1,0 +1,144 @@
+"""Set-up shared by the agent benchmarks: a fresh server, the command and output streams of
+one variant, its process, and a tap that times every output as it arrives.
+
+Variants: ``mf`` (``meshforge run _variants:EchoAgent``, SQLite store), ``raw`` (the plain
+nats-py loop) and ``fs`` (FastStream), each one OS process; see ``_variants.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from meshforge.cli.demo_support import meshforge_command
+from meshforge.config import load_settings
+from meshforge.server import EmbeddedServer
+from meshforge.topology import agent_consumer, default_streams, ensure
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from _variants import DURABLE, STREAM_IN, STREAM_OUT  # noqa: E402
+
+LABELS = {
+    "mf": "MeshForge agent (exactly once, SQLite)",
+    "raw": "nats-py loop (fetch 256, publish_async, ack)",
+    "fs": "FastStream pull subscriber + broker.publish",
+}
+SUBJECTS = {
+    "mf": ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked"),
+    "raw": ("bench.in", "bench.out"),
+    "fs": ("bench.in", "bench.out"),
+}
+
+
+@dataclass
+class Tap:
+    """Every output's arrival time (monotonic) and the send stamp it carries."""
+
+    arrivals: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    sent: list[float] = field(default_factory=list)
+    wanted: int = 0
+    full: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def on(self, msg: Msg) -> None:
+        now = time.monotonic()
+        self.arrivals.append(now)
+        body = json.loads(msg.data)
+        sent = body.get("payload", body).get("t", 0)
+        if sent:
+            self.latencies.append(now - sent)
+            self.sent.append(sent)
+        if len(self.arrivals) >= self.wanted:
+            self.full.set()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Bench:
+    """One variant on its own fresh server."""
+
+    kind: str
+    server: EmbeddedServer
+    nc: NATS
+    work: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def subjects(self) -> tuple[str, str]:
+        return SUBJECTS[self.kind]
+
+    async def streams(self) -> None:
+        js = self.nc.jetstream()
+        if self.kind == "mf":
+            settings = load_settings({"nats_url": self.server.url}, env={})
+            await ensure(js, default_streams(settings), [agent_consumer("echo", settings)])
+            return
+        await js.add_stream(name=STREAM_IN, subjects=["bench.in"])
+        await js.add_stream(name=STREAM_OUT, subjects=["bench.out"])
+        await js.add_consumer(STREAM_IN, durable_name=DURABLE, ack_policy="explicit", max_ack_pending=1000)
+
+    def start(self) -> None:
+        inp, out = self.subjects
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        if self.kind == "mf":
+            env["MESHFORGE_LOG_LEVEL"] = "WARNING"
+            store = f"sqlite:///{self.work / 'store.db'}"
+            args = meshforge_command("run", "_variants:EchoAgent", "--store", store, "--nats-url", self.server.url)
+        else:
+            args = [sys.executable, str(HERE / "_variants.py"), self.kind, self.server.url, inp, out]
+        log = (self.work / f"{self.kind}.log").open("ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    async def tap(self, wanted: int) -> Tap:
+        tap = Tap(wanted=wanted)
+        await self.nc.subscribe(self.subjects[1], cb=tap.on)
+        await self.nc.flush()
+        return tap
+
+    def log_tail(self) -> str:
+        path = self.work / f"{self.kind}.log"
+        return path.read_text()[-2000:] if path.exists() else ""
+
+
+@asynccontextmanager
+async def bench(kind: str, work: Path) -> AsyncIterator[Bench]:
+    await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
+    with EmbeddedServer(store_dir=work / "nats") as server:
+        nc = await nats.connect(server.url)
+        b = Bench(kind, server, nc, work)
+        try:
+            await b.streams()
+            yield b
+        finally:
+            b.stop()
+            await nc.close()
+
+
+async def wait_for(event: asyncio.Event, within: float, what: str, b: Bench) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), within)
+    except TimeoutError:
+        raise SystemExit(f"{b.kind}: {what} not within {within:g}s\n{b.log_tail()}") from None

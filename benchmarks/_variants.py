@@ -1,0 +1,137 @@
+"""The processes the agent benchmarks measure, each run as its own OS process.
+
+- ``EchoAgent``: a MeshForge agent (``meshforge run _variants:EchoAgent``): one event out
+  per command, keyed by the command's ``id`` (exactly once, SQLite store).
+- ``raw``: the plain nats-py loop: ``fetch(256)``, decode, build the output,
+  ``publish_async`` each, wait for the PubAcks, ack each. No store.
+- ``fs``: a FastStream pull subscriber (``PullSub(batch=True)``) publishing one output per
+  command through the broker, as FastStream's documentation shows.
+- ``load``: an open-loop generator: commands at a fixed rate, each stamped with the
+  monotonic clock (shared by every process of the machine) when it was sent.
+
+    python benchmarks/_variants.py raw NATS_URL IN_SUBJECT OUT_SUBJECT
+    python benchmarks/_variants.py load NATS_URL SUBJECT RATE SECONDS
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import nats
+from nats.errors import TimeoutError as NatsTimeout
+
+from meshforge.envelope import Envelope
+from meshforge.runtime import Agent, Event, Output, command
+
+FETCH = 256
+STREAM_IN = "BENCH_IN"
+STREAM_OUT = "BENCH_OUT"
+DURABLE = "bench"
+
+
+class Echo(msgspec.Struct):
+    """What the agent keeps per command id: how many it saw."""
+
+    seen: int = 0
+
+
+class EchoAgent(Agent[Echo]):
+    """``work {"id", "blob", "t"?}`` emits ``worked {"id", "n", "t"}``."""
+
+    name = "echo"
+
+    @command("work", key="id")
+    def work(self, cmd: Envelope, state: Echo) -> list[Output]:
+        p = cmd.payload
+        return [Event("worked", {"id": p["id"], "n": len(p["blob"]), "t": p.get("t", 0)})]
+
+    def apply(self, state: Echo, event: Event) -> Echo:
+        return Echo(seen=state.seen + 1)
+
+
+def output_of(body: bytes) -> bytes:
+    """The baselines' handler: the same work the agent's handler does."""
+    cmd = json.loads(body)
+    p = cmd["payload"]
+    return json.dumps({"id": p["id"], "n": len(p["blob"]), "t": p.get("t", 0)}).encode()
+
+
+async def raw(url: str, out_subject: str) -> None:
+    nc = await nats.connect(url)
+    js = nc.jetstream(publish_async_max_pending=FETCH)
+    sub = await js.pull_subscribe_bind(durable=DURABLE, stream=STREAM_IN)
+    while True:
+        try:
+            msgs = await sub.fetch(FETCH, timeout=5)
+        except NatsTimeout:
+            continue
+        acks = [await js.publish_async(out_subject, output_of(m.data)) for m in msgs]
+        await asyncio.gather(*acks)
+        for m in msgs:
+            await m.ack()
+
+
+async def faststream(url: str, in_subject: str, out_subject: str) -> None:
+    from faststream.nats import JStream, NatsBroker, PullSub
+
+    broker = NatsBroker(url, logger=None)
+
+    @broker.subscriber(
+        in_subject,
+        stream=JStream(STREAM_IN, declare=False),
+        durable=DURABLE,
+        pull_sub=PullSub(batch_size=FETCH, timeout=0.01, batch=True),
+    )
+    async def handle(bodies: list[dict[str, Any]]) -> None:
+        for cmd in bodies:
+            p = cmd["payload"]
+            out = {"id": p["id"], "n": len(p["blob"]), "t": p.get("t", 0)}
+            await broker.publish(out, out_subject, stream=STREAM_OUT)  # waits for the PubAck
+
+    await broker.start()
+    await asyncio.Event().wait()
+
+
+def command_body(blob: str, sent: float = 0.0) -> Envelope:
+    return Envelope.new("echo.work", {"id": uuid.uuid4().hex, "blob": blob, "t": sent})
+
+
+async def load(url: str, subject: str, rate: float, seconds: float, blob: str) -> None:
+    """Open loop: command i leaves at start + i / rate, whether or not earlier ones are done."""
+    from meshforge.envelope import Outbound
+
+    nc = await nats.connect(url)
+    js = nc.jetstream(publish_async_max_pending=4096)
+    total = int(rate * seconds)
+    start = time.monotonic() + 0.05
+    pending = []
+    for i in range(total):
+        due = start + i / rate
+        wait = due - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        item = Outbound.of(subject, command_body(blob, time.monotonic()))
+        pending.append(await js.publish_async(item.subject, item.data, headers=dict(item.headers)))
+        if len(pending) >= 1024:
+            await asyncio.gather(*pending)
+            pending.clear()
+    await asyncio.gather(*pending)
+    await nc.close()
+
+
+if __name__ == "__main__":
+    kind, url, *rest = sys.argv[1:]
+    if kind == "raw":
+        asyncio.run(raw(url, rest[1]))
+    elif kind == "fs":
+        asyncio.run(faststream(url, rest[0], rest[1]))
+    elif kind == "load":
+        asyncio.run(load(url, rest[0], float(rest[1]), float(rest[2]), "x" * int(rest[3])))
+    else:
+        raise SystemExit(f"unknown variant {kind!r}")

@@ -1,0 +1,88 @@
+"""S1 and S2: an exactly-once agent draining a backlog, against a plain nats-py loop and
+FastStream, each worker one process, one output per command.
+
+Each round gives every variant a fresh server with N commands (128-byte payloads) already
+stored, starts its process, and times the outputs as they arrive, from the first to the
+last (process start-up is not counted); the variants take turns, and the median of the
+rounds counts. CPU per command is the worker process's own, over the same span.
+
+    python benchmarks/bench_agent.py [--n 20000] [--rounds 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _agents import LABELS, bench, cpu_seconds, wait_for
+from _common import BODY_SIZE, console, machine
+from _floors import floor
+from _variants import command_body
+from rich.table import Table
+
+from meshforge.envelope import Outbound
+from meshforge.publisher import Publisher
+
+S1_FLOOR, S2_FLOOR = 0.6, 3.0
+
+
+async def run_once(kind: str, n: int, work: Path) -> tuple[float, float]:
+    """(commands per second, worker CPU microseconds per command) for one variant."""
+    async with bench(kind, work) as b:
+        inp, _ = b.subjects
+        blob = "x" * BODY_SIZE
+        await Publisher(b.nc.jetstream()).publish_many([Outbound.of(inp, command_body(blob)) for _ in range(n)])
+        tap = await b.tap(n)
+        b.start()
+        assert b.proc is not None
+        await wait_for(tap.full, 600, f"{n} outputs", b)
+        cpu = cpu_seconds(b.proc.pid)
+        first, last = tap.arrivals[0], tap.arrivals[n - 1]
+        rate = (n - 1) / (last - first)
+        # CPU over the whole life, spread over what it did: start-up is small beside N.
+        return rate, cpu / n * 1e6
+
+
+async def main(n: int, rounds: int, kinds: list[str]) -> None:
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    cpus: dict[str, list[float]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory(prefix="meshforge-bench-") as tmp:
+        for r in range(rounds):
+            order = kinds if r % 2 == 0 else list(reversed(kinds))
+            for kind in order:
+                rate, cpu = await run_once(kind, n, Path(tmp) / f"{kind}{r}")
+                rates[kind].append(rate)
+                cpus[kind].append(cpu)
+                console.print(f"round {r + 1} {kind}: {rate:,.0f} cmd/s, {cpu:.0f} us CPU/cmd")
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    table = Table(title=f"backlog of {n:,} commands, one output each, median of {rounds} ({machine()})")
+    for col in ("variant", "cmd/s", "worker CPU/cmd", "MeshForge vs it"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for kind in kinds:
+        ratio = med["mf"] / med[kind] if "mf" in med else 0.0
+        table.add_row(LABELS[kind], f"{med[kind]:,.0f}", f"{statistics.median(cpus[kind]):.0f} us", f"{ratio:.2f}x")
+    console.print(table)
+    if "mf" in med and "raw" in med:
+        ratio = med["mf"] / med["raw"]
+        floor("S1", "exactly-once agent vs nats-py loop, backlog", f"{ratio:.2f}x", f">= {S1_FLOOR}x",
+              met=ratio >= S1_FLOOR, note=f"{med['mf']:,.0f} vs {med['raw']:,.0f} cmd/s")  # fmt: skip
+    if "mf" in med and "fs" in med:
+        ratio = med["mf"] / med["fs"]
+        floor("S2", "exactly-once agent vs FastStream, backlog", f"{ratio:.2f}x", f">= {S2_FLOOR}x",
+              met=ratio >= S2_FLOOR, note=f"{med['mf']:,.0f} vs {med['fs']:,.0f} cmd/s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--n", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="n = 2,000, one round")
+    parser.add_argument("--only", default="mf,raw,fs", help="variants, comma-separated")
+    args = parser.parse_args()
+    n, rounds = (2_000, 1) if args.quick else (args.n, args.rounds)
+    asyncio.run(main(n, rounds, args.only.split(",")))

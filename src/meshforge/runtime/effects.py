@@ -1,0 +1,169 @@
+"""The engine's work in the store thread: one group's transaction, and the shapes it uses.
+
+``EffectStore.open`` begins the transaction, locks and reads the resources of a group
+(sorted, so workers sharing a consumer cannot deadlock) and the effects already stored
+for its keys; ``finish`` appends the events, writes the states, the effects with their
+outputs and the published marks, and commits. Either rolls back and raises on an error.
+``Conflict`` says another worker stored one of the group's effects first.
+
+Example (what ``Engine`` does for a group)::
+
+    cm, tx, states, stored = effects.open(works)
+    ...                                   # handlers run, filling a Plan
+    effects.finish(cm, tx, plan, marks)   # COMMIT
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Coroutine
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
+
+from meshforge.decisions import Decision, Delivery
+from meshforge.envelope import Envelope
+from meshforge.errors import StoreError
+from meshforge.runtime.agent import Agent, CommandSpec
+from meshforge.scope import Scope
+from meshforge.store.base import NewEvent, Store, StoredOutput, Transaction
+
+__all__ = ["Conflict", "EffectStore", "Plan", "Work", "drive"]
+
+log = logging.getLogger("meshforge.engine")
+T = TypeVar("T")
+Slot = tuple[Scope, str]  # a resource (or an idempotency key) of one scope
+
+
+def drive(coro: Coroutine[Any, Any, T]) -> T:
+    """Run to its end a coroutine that never suspends (handlers that are plain functions)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    coro.close()
+    raise RuntimeError("a plain-function handler returned something to await")
+
+
+@dataclass(slots=True)
+class Work:
+    """One delivery on its way through the loop."""
+
+    index: int  # its place in the group being committed
+    delivery: Delivery
+    env: Envelope
+    spec: CommandSpec
+    resource: str
+    scope: Scope  # the subject's tenant and namespace: the key of everything stored for it
+    position: int = 0  # its place among its handle() call's deliveries
+    owner: list[Decision | None] = field(default_factory=list)  # that call's decisions
+    outputs: list[StoredOutput] = field(default_factory=list)
+    events: list[NewEvent] = field(default_factory=list)
+    fresh: bool = False  # ran its handler in this batch (not a stored effect)
+
+    def decide(self, decision: Decision) -> None:
+        self.owner[self.position] = decision
+
+
+@dataclass(slots=True)
+class Plan:
+    """What one attempt of the batch decided: per-index decisions and work to publish."""
+
+    decisions: dict[int, Decision] = field(default_factory=dict)
+    done: list[Work] = field(default_factory=list)
+    duplicates: int = 0
+    states: dict[tuple[Scope, str], Any] = field(default_factory=dict)
+
+
+class Conflict(Exception):
+    """Another worker stored an effect this batch also computed: run the batch again."""
+
+
+class EffectStore:
+    """One agent's transactions in the store, as the engine's store thread runs them."""
+
+    def __init__(self, agent: Agent[Any], store: Store, consumer: str) -> None:
+        self.agent = agent
+        self.store = store
+        self.consumer = consumer
+
+    def open(
+        self, works: list[Work]
+    ) -> tuple[AbstractContextManager[Transaction], Transaction, dict[tuple[Scope, str], bytes | None],
+               dict[tuple[Scope, str], list[StoredOutput] | None]]:  # fmt: skip
+        """BEGIN, lock and read the resources, read the stored effects."""
+        cm = self.store.transaction()
+        tx = cm.__enter__()
+        try:
+            return cm, tx, self._load(tx, works), self._effects(tx, works)
+        except BaseException as exc:
+            self.abort(cm, exc)
+            raise
+
+    def finish(
+        self,
+        cm: AbstractContextManager[Transaction],
+        tx: Transaction,
+        plan: Plan,
+        marks: list[tuple[Scope, str]],
+    ) -> None:
+        """Write the group's effects and COMMIT (or roll back and raise)."""
+        try:
+            self._store_effects(tx, plan, marks)
+        except BaseException as exc:
+            self.abort(cm, exc)
+            raise
+        cm.__exit__(None, None, None)
+
+    def abort(self, cm: AbstractContextManager[Transaction], exc: BaseException) -> None:
+        try:
+            cm.__exit__(type(exc), exc, exc.__traceback__)
+        except StoreError as err:
+            if err is not exc:
+                log.debug("%s: rollback after an error also failed: %s", self.consumer, err)
+
+    def _load(self, tx: Transaction, works: list[Work]) -> dict[tuple[Scope, str], bytes | None]:
+        # Sorted: two workers locking the same resources take them in the same order.
+        name = self.agent.name
+        slots = sorted({(w.scope, w.resource) for w in works})
+        return {(s, r): tx.state_get(name, r, scope=s) for s, r in slots}
+
+    def _effects(
+        self, tx: Transaction, works: list[Work]
+    ) -> dict[tuple[Scope, str], list[StoredOutput] | None]:
+        keys = {(w.scope, w.env.key) for w in works}
+        return {(s, k): tx.effect_get(self.consumer, k, scope=s) for s, k in keys}
+
+    def _store_effects(self, tx: Transaction, plan: Plan, marks: list[tuple[Scope, str]]) -> None:
+        fresh = [w for w in plan.done if w.fresh]
+        by_scope: dict[Scope, list[NewEvent]] = {}
+        for w in fresh:
+            by_scope.setdefault(w.scope, []).extend(w.events)
+        last: dict[tuple[Scope, str], int] = {}
+        for scope, events in sorted(by_scope.items()):
+            if not events:
+                continue
+            positions = tx.events_append(self.agent.name, events, scope=scope)
+            for event, position in zip(events, positions, strict=True):
+                last[(scope, event.resource_id or "")] = position
+        states = plan.states
+        for (scope, resource), position in sorted(last.items()):
+            data = self.agent.encode_state(states[(scope, resource)])
+            tx.state_put(self.agent.name, resource, data, position, scope=scope)
+        for work in fresh:
+            try:
+                tx.effect_put(self.consumer, work.env.key, work.env.id, work.outputs, scope=work.scope)
+            except StoreError as exc:
+                if exc.kind == "duplicate":
+                    raise Conflict() from exc
+                raise
+        for scope, key in marks:
+            tx.effect_mark_published(self.consumer, key, scope=scope)
+
+    def mark_published(self, keys: list[tuple[Scope, str]]) -> None:
+        """Note, in a transaction of its own, that these keys' outputs were published."""
+        if not keys:
+            return
+        with self.store.transaction() as tx:
+            for scope, key in keys:
+                tx.effect_mark_published(self.consumer, key, scope=scope)
