@@ -1,9 +1,11 @@
 """The engine's work in the store thread: one group's transaction, and the shapes it uses.
 
 ``EffectStore.open`` begins the transaction, locks and reads the resources of a group
-(sorted, so workers sharing a consumer cannot deadlock) and the effects already stored
-for its keys; ``finish`` appends the events, writes the states, the effects with their
-outputs and the published marks, and commits. Either rolls back and raises on an error.
+(in one order for every worker, so workers sharing a consumer cannot deadlock) and the
+effects already stored for its keys; ``finish`` stores the effects with their outputs and
+the published marks, then appends the events and writes the states (the event log's head
+row, which every writer of the log waits for, is taken last), and commits. Each step is
+one statement for the whole group. Either rolls back and raises on an error.
 ``Conflict`` says another worker stored one of the group's effects first.
 
 Example (what ``Engine`` does for a group)::
@@ -26,7 +28,7 @@ from meshforge.envelope import Envelope
 from meshforge.errors import StoreError
 from meshforge.runtime.agent import Agent, CommandSpec
 from meshforge.scope import Scope
-from meshforge.store.base import NewEvent, Store, StoredOutput, Transaction
+from meshforge.store.base import NewEffect, NewEvent, NewState, Store, StoredOutput, Transaction
 
 __all__ = ["Conflict", "EffectStore", "Plan", "Work", "drive"]
 
@@ -123,19 +125,26 @@ class EffectStore:
                 log.debug("%s: rollback after an error also failed: %s", self.consumer, err)
 
     def _load(self, tx: Transaction, works: list[Work]) -> dict[tuple[Scope, str], bytes | None]:
-        # Sorted: two workers locking the same resources take them in the same order.
-        name = self.agent.name
-        slots = sorted({(w.scope, w.resource) for w in works})
-        return {(s, r): tx.state_get(name, r, scope=s) for s, r in slots}
+        # One statement for the whole group; the store locks in one order for every worker.
+        return tx.states_get(self.agent.name, [(w.scope, w.resource) for w in works])
 
     def _effects(
         self, tx: Transaction, works: list[Work]
     ) -> dict[tuple[Scope, str], list[StoredOutput] | None]:
-        keys = {(w.scope, w.env.key) for w in works}
-        return {(s, k): tx.effect_get(self.consumer, k, scope=s) for s, k in keys}
+        return tx.effects_get(self.consumer, [(w.scope, w.env.key) for w in works])
 
     def _store_effects(self, tx: Transaction, plan: Plan, marks: list[tuple[Scope, str]]) -> None:
         fresh = [w for w in plan.done if w.fresh]
+        try:
+            tx.effects_put(
+                self.consumer, [NewEffect(w.env.key, w.env.id, w.outputs, w.scope) for w in fresh]
+            )
+        except StoreError as exc:
+            if exc.kind == "duplicate":
+                raise Conflict() from exc
+            raise
+        tx.effects_mark_published(self.consumer, marks)
+        # Last: from its event-log append to COMMIT, every writer of the log waits for us.
         by_scope: dict[Scope, list[NewEvent]] = {}
         for w in fresh:
             by_scope.setdefault(w.scope, []).extend(w.events)
@@ -146,24 +155,16 @@ class EffectStore:
             positions = tx.events_append(self.agent.name, events, scope=scope)
             for event, position in zip(events, positions, strict=True):
                 last[(scope, event.resource_id or "")] = position
-        states = plan.states
-        for (scope, resource), position in sorted(last.items()):
-            data = self.agent.encode_state(states[(scope, resource)])
-            tx.state_put(self.agent.name, resource, data, position, scope=scope)
-        for work in fresh:
-            try:
-                tx.effect_put(self.consumer, work.env.key, work.env.id, work.outputs, scope=work.scope)
-            except StoreError as exc:
-                if exc.kind == "duplicate":
-                    raise Conflict() from exc
-                raise
-        for scope, key in marks:
-            tx.effect_mark_published(self.consumer, key, scope=scope)
+        encode = self.agent.encode_state
+        tx.states_put(
+            self.agent.name,
+            [NewState(resource, encode(plan.states[(scope, resource)]), position, scope)
+             for (scope, resource), position in last.items()],
+        )  # fmt: skip
 
     def mark_published(self, keys: list[tuple[Scope, str]]) -> None:
         """Note, in a transaction of its own, that these keys' outputs were published."""
         if not keys:
             return
         with self.store.transaction() as tx:
-            for scope, key in keys:
-                tx.effect_mark_published(self.consumer, key, scope=scope)
+            tx.effects_mark_published(self.consumer, keys)

@@ -188,6 +188,9 @@ class Runner:
         except self.dialect.driver_errors as exc:
             self.failed = True
             raise self.dialect.to_store_error(exc) from exc
+        except _UNBINDABLE as exc:
+            self.failed = True
+            raise StoreError(f"{self.dialect.name} store: {one_line(exc)}", kind="invalid") from exc
 
     def each(
         self, sql: str, rows: Sequence[Sequence[Any]], fixed: Sequence[Any] = ()

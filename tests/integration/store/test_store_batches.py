@@ -173,6 +173,17 @@ def test_nul_in_a_key_is_a_deterministic_error_on_postgresql(pg_store: Store) ->
         assert tx.states_get(AGENT, [(A, "o-1")]) == {(A, "o-1"): None}
 
 
+def test_unencodable_text_is_a_deterministic_error(store: Store) -> None:
+    """A lone surrogate cannot be sent to either database, in a batch read or a COPY."""
+    for attempt in (
+        lambda tx: tx.states_get(AGENT, [(A, "o-\ud800")]),
+        lambda tx: tx.effects_put(CONSUMER, [NewEffect("k-\ud800", "c-1", [], A)]),
+    ):
+        with pytest.raises(StoreError) as caught, store.transaction() as tx:
+            attempt(tx)
+        assert caught.value.kind == "invalid" and not caught.value.retriable, caught.value
+
+
 def test_nul_in_a_key_round_trips_on_sqlite(sqlite_store: Store) -> None:
     with sqlite_store.transaction() as tx:
         tx.states_put(AGENT, [NewState("o\x00-1", b"x", 1, A)])
