@@ -1,8 +1,9 @@
 """Set-up shared by the agent benchmarks: a fresh server, the command and output streams of
 one variant, its process, and a tap that times every output as it arrives.
 
-Variants: ``mf`` (``meshforge run _variants:EchoAgent``, SQLite store), ``raw`` (the plain
-nats-py loop) and ``fs`` (FastStream), each one OS process; see ``_variants.py``.
+Variants: ``mf`` (``meshforge run _variants:EchoAgent``, SQLite store), ``pg`` (the same on
+a PostgreSQL store: a database made for the run on ``PG_ADMIN``, dropped after), ``raw``
+(the plain nats-py loop) and ``fs`` (FastStream), each one OS process; see ``_variants.py``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
+import psycopg
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -31,13 +34,16 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from _variants import DURABLE, STREAM_IN, STREAM_OUT  # noqa: E402
 
+PG_ADMIN = os.environ.get("MESHFORGE_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 LABELS = {
     "mf": "MeshForge agent (exactly once, SQLite)",
+    "pg": "MeshForge agent (exactly once, PostgreSQL)",
     "raw": "nats-py loop (fetch 256, publish_async, ack)",
     "fs": "FastStream pull subscriber + broker.publish",
 }
 SUBJECTS = {
     "mf": ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked"),
+    "pg": ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked"),
     "raw": ("bench.in", "bench.out"),
     "fs": ("bench.in", "bench.out"),
 }
@@ -80,6 +86,7 @@ class Bench:
     nc: NATS
     work: Path
     proc: subprocess.Popen[bytes] | None = None
+    store_url: str = ""
 
     @property
     def subjects(self) -> tuple[str, str]:
@@ -87,7 +94,7 @@ class Bench:
 
     async def streams(self) -> None:
         js = self.nc.jetstream()
-        if self.kind == "mf":
+        if self.kind in ("mf", "pg"):
             settings = load_settings({"nats_url": self.server.url}, env={})
             await ensure(js, default_streams(settings), [agent_consumer("echo", settings)])
             return
@@ -98,9 +105,9 @@ class Bench:
     def start(self) -> None:
         inp, out = self.subjects
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-        if self.kind == "mf":
+        if self.kind in ("mf", "pg"):
             env["MESHFORGE_LOG_LEVEL"] = "WARNING"
-            store = f"sqlite:///{self.work / 'store.db'}"
+            store = self.store_url or f"sqlite:///{self.work / 'store.db'}"
             args = meshforge_command("run", "_variants:EchoAgent", "--store", store, "--nats-url", self.server.url)
         else:
             args = [sys.executable, str(HERE / "_variants.py"), self.kind, self.server.url, inp, out]
@@ -123,13 +130,28 @@ class Bench:
         return path.read_text()[-2000:] if path.exists() else ""
 
 
+@contextmanager
+def pg_database() -> Iterator[str]:
+    """A PostgreSQL database of its own for one run, dropped after."""
+    name = f"meshforge_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @asynccontextmanager
 async def bench(kind: str, work: Path) -> AsyncIterator[Bench]:
     await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
-    with EmbeddedServer(store_dir=work / "nats") as server:
+    with EmbeddedServer(store_dir=work / "nats") as server, ExitStack() as stack:
         nc = await nats.connect(server.url)
         b = Bench(kind, server, nc, work)
         try:
+            if kind == "pg":
+                b.store_url = stack.enter_context(pg_database())
             await b.streams()
             yield b
         finally:

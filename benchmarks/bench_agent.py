@@ -1,5 +1,6 @@
-"""S1 and S2: an exactly-once agent draining a backlog, against a plain nats-py loop and
-FastStream, each worker one process, one output per command.
+"""S1, S2 and S4: an exactly-once agent draining a backlog, against a plain nats-py loop and
+FastStream, and on a PostgreSQL store against the SQLite one; each worker one process,
+one output per command.
 
 Each round gives every variant a fresh server with N commands (128-byte payloads) already
 stored, starts its process, and times the outputs as they arrive, from the first to the
@@ -28,7 +29,7 @@ from rich.table import Table
 from meshforge.envelope import Outbound
 from meshforge.publisher import Publisher
 
-S1_FLOOR, S2_FLOOR = 0.6, 3.0
+S1_FLOOR, S2_FLOOR, S4_FLOOR = 0.6, 3.0, 0.7
 
 
 async def run_once(kind: str, n: int, work: Path) -> tuple[float, float]:
@@ -71,6 +72,10 @@ async def main(n: int, rounds: int, kinds: list[str]) -> None:
         ratio = med["mf"] / med["raw"]
         floor("S1", "exactly-once agent vs nats-py loop, backlog", f"{ratio:.2f}x", f">= {S1_FLOOR}x",
               met=ratio >= S1_FLOOR, note=f"{med['mf']:,.0f} vs {med['raw']:,.0f} cmd/s")  # fmt: skip
+    if "mf" in med and "pg" in med:
+        ratio = med["pg"] / med["mf"]
+        floor("S4", "exactly-once agent, PostgreSQL vs SQLite store, backlog", f"{ratio:.2f}x", f">= {S4_FLOOR}x",
+              met=ratio >= S4_FLOOR, note=f"{med['pg']:,.0f} vs {med['mf']:,.0f} cmd/s")  # fmt: skip
     if "mf" in med and "fs" in med:
         ratio = med["mf"] / med["fs"]
         floor("S2", "exactly-once agent vs FastStream, backlog", f"{ratio:.2f}x", f">= {S2_FLOOR}x",
@@ -82,7 +87,7 @@ if __name__ == "__main__":
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="n = 2,000, one round")
-    parser.add_argument("--only", default="mf,raw,fs", help="variants, comma-separated")
+    parser.add_argument("--only", default="mf,raw,fs,pg", help="variants, comma-separated")
     args = parser.parse_args()
     n, rounds = (2_000, 1) if args.quick else (args.n, args.rounds)
     asyncio.run(main(n, rounds, args.only.split(",")))
