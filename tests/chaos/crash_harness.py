@@ -251,6 +251,11 @@ async def open_run(work: Path, seed: int) -> tuple[Run, EmbeddedServer]:
     conn = await connect(load_settings({"nats_url": server.url}, env={}), name="chaos")
     run = Run(server=server, work=work, conn=conn, rng=random.Random(seed))
     await run.provision()
+    # The stock exists before the first order reserves it (docs/AGENTS.md: a command that
+    # needs an earlier one applied is sent once that one's event is out). Otherwise a kill
+    # before the stock's commit lets the reservations, delivered at once to the next life,
+    # pass the stock, whose redelivery waits for its ack_wait.
+    await run.life(None)
     return run, server
 
 
