@@ -9,7 +9,8 @@ single-row methods (several statements a command, marking in a second transactio
 Stores and methods take turns for ``--rounds`` rounds; the median counts. PostgreSQL runs on 127.0.0.1:5432 (``--pg`` to change), in a
 database made for the run and dropped after.
 
-Floor (S4, store path): PostgreSQL >= 0.7x SQLite.
+S4 (PostgreSQL >= 0.7x SQLite) is the agent's floor, measured by ``bench_agent.py``; this
+script prints the store path's ratio beside it as a diagnostic.
 
     python benchmarks/bench_store.py [--batches 150] [--rounds 5] [--quick]
 """
@@ -141,9 +142,9 @@ def main(batches: int, rounds: int, pg_admin: str) -> None:
         table.add_row(kind, path, f"{rate[(kind, path)]:,.0f}", f"{BATCH / rate[(kind, path)] * 1000:.1f}",
                       f"{ratio[path] if kind == 'postgresql' else 1.0:.2f}x")  # fmt: skip
     console.print(table)
-    floor("S4", "store path: PostgreSQL vs SQLite (batches of 64)", f"{ratio['batch']:.2f}x", ">= 0.7x",
-          met=ratio["batch"] >= 0.7,
-          note="store path only, batch methods; the agent benchmark gives the end-to-end figure")  # fmt: skip
+    # A diagnostic beside the floor: S4 is the agent's ratio, which bench_agent.py measures.
+    floor("S4", "store path only: PostgreSQL vs SQLite (batches of 64)", f"{ratio['batch']:.2f}x", ">= 0.7x (agent)",
+          met=None, note=f"diagnostic; single-row methods {ratio['by row']:.2f}x; the floor is bench_agent.py's")  # fmt: skip
 
 
 if __name__ == "__main__":
