@@ -55,6 +55,15 @@ def test_meshforge_server_cluster_runs_three_routed_jetstream_nodes(tmp_path: Pa
             try:
                 js = conn.js
                 await js.add_stream(name="R3", subjects=["r3.>"], num_replicas=3)
+
+                async def led() -> bool:  # a new replicated stream elects its leader first
+                    try:
+                        found = await js.stream_info("R3")
+                    except Exception:  # not answering until it has one
+                        return False
+                    return found.cluster is not None and bool(found.cluster.leader)
+
+                await wait_until(led, 20, "the new stream's leader")
                 await js.publish("r3.a", b"x")
                 info = await js.stream_info("R3")
                 assert info.cluster is not None
