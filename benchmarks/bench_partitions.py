@@ -37,6 +37,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import CpuMeter, console, machine
+from _floors import floor
 
 from meshforge.cli.demo_support import read_stream
 from meshforge.config import Settings, load_settings
@@ -263,6 +264,10 @@ def main() -> None:
             + (f", floor 90%: {verdict}" if workers == 2 else "")
             + f"); on the {left:.2f} cores other work left: {ceiling_left:.2f}x ({ratio / ceiling_left:.0%})"
         )
+        if workers == 2:
+            floor("S5", "2 workers vs 1 with partitions, per-resource order kept", f"{ratio:.2f}x",
+                  ">= 90% of the CPU ceiling", met=ratio >= 0.9 * ceiling,
+                  note=f"ceiling {ceiling:.2f}x on {cores} cores ({ratio / ceiling:.0%} of it)")  # fmt: skip
 
 if __name__ == "__main__":
     main()
