@@ -74,7 +74,7 @@ async def main(count: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--count", type=int, default=150_000)
+    parser.add_argument("--count", type=int, default=400_000)  # long enough to see retention delete
     parser.add_argument("--quick", action="store_true", help="20,000 commands")
     args = parser.parse_args()
     asyncio.run(main(20_000 if args.quick else args.count))
