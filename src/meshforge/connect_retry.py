@@ -140,8 +140,8 @@ async def attempt_connect(
             reason = f"no answer within {bound:g}s"
         if (
             "tls" in options
-            and isinstance(exc, ConnectionResetError | NoServersError)
-            and "lost" in reason
+            and isinstance(exc, ConnectionError | NoServersError)  # reset, broken pipe, aborted
+            and any(word in reason.lower() for word in ("lost", "broken pipe", "reset"))
         ):
             # TLS 1.3 servers refuse a missing client certificate after the handshake
             reason += " after the TLS handshake"
