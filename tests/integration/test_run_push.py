@@ -31,7 +31,8 @@ def start(*args: str) -> subprocess.Popen[str]:
 
 
 def group_members(server: EmbeddedServer, subject: str) -> int:
-    url = f"http://127.0.0.1:{server.monitor_port}/connz?subs=detail"
+    # All of them: /connz lists 1,024 connections unless told, and a long session has more.
+    url = f"http://127.0.0.1:{server.monitor_port}/connz?subs=detail&limit=100000"
     with urllib.request.urlopen(url, timeout=5) as resp:
         connz = json.loads(resp.read())
     return sum(
@@ -62,8 +63,12 @@ async def test_two_workers_on_one_deliver_group_process_each_command_once(
     workers = [start(*args), start(*args)]
     subject = deliver_subject(STREAM_COMMANDS, "tally_consumer")
     try:
-        await wait_until(lambda: group_members(meshforge_server, subject) == 2, timeout=30,
-                         what="both workers in the deliver group")  # fmt: skip
+        def joined() -> bool:
+            for proc in workers:
+                assert proc.poll() is None, f"a worker exited: {proc.communicate()[1][-2000:]}"
+            return group_members(meshforge_server, subject) == 2
+
+        await wait_until(joined, timeout=30, what="both workers in the deliver group")
         publisher = Publisher(meshforge_connection.js, meshforge_settings)
         for n in range(N):
             await publisher.publish("cmd.default.test.tally.count", Envelope.new("tally.count", {"n": n}))
