@@ -111,6 +111,28 @@ class Acker:
             return
         crash_point("after_ack")
 
+    async def ack_all(self, deliveries: Sequence[Delivery]) -> None:
+        """Ack every delivery: one write for all on a MeshForge connection, else one
+        ``apply`` each. Never raises for a send failure (see ``apply``)."""
+        if not deliveries:
+            return
+        ack_many = getattr(deliveries[0].msg._client, "ack_many", None)
+        if self.ack_sync or ack_many is None:
+            for delivery in deliveries:
+                await self.apply(delivery, Decision.ack())
+            return
+        try:
+            await ack_many([d.msg for d in deliveries])
+        except Exception:  # one of them cannot be acked this way: each on its own
+            for delivery in deliveries:
+                await self.apply(delivery, Decision.ack())
+            return
+        self._acked.inc(len(deliveries))
+        now = time.time()
+        for delivery in deliveries:
+            self._e2e.observe(max(0.0, now - delivery.timestamp.timestamp()))
+            crash_point("after_ack")
+
     async def _ack(self, delivery: Delivery) -> None:
         if self.ack_sync:
             await delivery.msg.ack_sync(timeout=self.ack_timeout)

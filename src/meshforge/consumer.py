@@ -2,8 +2,9 @@
 
 A ``Consumer`` takes messages from a durable JetStream consumer and runs a handler for
 each (or a batch handler per fetch). It never holds more messages than it can work on:
-a pull asks for at most ``concurrency - in flight`` (a batch consumer: one batch of at
-most ``batch_size`` at a time, and the next while it finishes), a push consumer is capped by ``max_ack_pending``.
+a pull asks for at most ``concurrency - in flight`` (a batch consumer: batches of at
+most ``batch_size``, holding ``max_held`` messages at most: by default two batches, the
+next while one finishes), a push consumer is capped by ``max_ack_pending``.
 Malformed bodies and exhausted deliveries are dead-lettered without reaching the
 handler; handler errors become decisions (see ``meshforge.decisions``); a handler that
 runs long gets ``in_progress`` every third of the ack wait. ``stop()`` stops fetching,
@@ -118,6 +119,7 @@ class Consumer:
         publisher: Publisher | None = None,
         provision: bool | None = None,
         ack_sync: bool = False,
+        max_held: int | None = None,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ConfigError("consumer: give exactly one of handler= or batch_handler=")
@@ -141,8 +143,10 @@ class Consumer:
         self.deliver_group = deliver_group or self.durable
         self.concurrency = concurrency or self.settings.concurrency
         self.batch_size = batch_size or self.settings.batch_size
-        if self.concurrency < 1 or self.batch_size < 1:
-            raise ConfigError("consumer: concurrency and batch_size must be >= 1")
+        # Batch mode: two batches by default, the next fetched and handled while one acks.
+        self.max_held = max_held or 2 * self.batch_size
+        if self.concurrency < 1 or self.batch_size < 1 or self.max_held < self.batch_size:
+            raise ConfigError("consumer: concurrency and batch_size must be >= 1, max_held >= batch_size")
         self._max_deliver_arg = max_deliver
         self.max_deliver: int | None = None
         self.unrecoverable = tuple(unrecoverable)
@@ -332,8 +336,7 @@ class Consumer:
             batch_size=self.batch_size,
             wait_free=workers.wait_free,
             in_flight=lambda: workers.in_flight,
-            # Two batches: the next is fetched and committed while one publishes and acks.
-            limit=2 * self.batch_size if batch else self.concurrency,
+            limit=self.max_held if batch else self.concurrency,
             dispatch=dispatch,
             nak=self._nak_quietly,
             recover=self._recover,

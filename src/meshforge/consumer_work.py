@@ -107,7 +107,7 @@ class Processor:
         if self._decode:
             try:
                 delivery.envelope = decode(
-                    msg.data, delivery.headers, default_ts=delivery.stored_ts
+                    msg.data, delivery.headers, default_ts=lambda: delivery.stored_ts
                 )
             except MalformedMessage as exc:
                 return delivery, Decision.dead_letter(REASON_MALFORMED, exc)
@@ -165,13 +165,15 @@ class Processor:
                 settled.append((delivery, decision))
         if ready:
             settled += await self._run_batch(ready)
-        # A plain ack only writes to the connection's buffer: no task per message for it.
+        # A plain ack only writes to the connection's buffer: one write for all of them.
+        acks = []
         others = []
         for delivery, decision in settled:
             if decision.action is Action.ACK and not self.acker.ack_sync:
-                await self.acker.apply(delivery, decision)
+                acks.append(delivery)
             else:
                 others.append(self.acker.apply(delivery, decision))
+        await self.acker.ack_all(acks)
         if others:
             await asyncio.gather(*others)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -139,18 +139,21 @@ class Delivery:
     @classmethod
     def of(cls, msg: Msg, consumer: str = "") -> Delivery:
         """A delivery from a nats-py JetStream message (envelope not decoded yet)."""
-        meta = msg.metadata
+        tokens = msg.reply.split(".") if msg.reply else []
+        if len(tokens) != 9 or tokens[0] != "$JS" or tokens[1] != "ACK":
+            meta = msg.metadata  # nats-py knows every form (domains); this one is rarer
+            return cls(
+                msg=msg, subject=msg.subject, data=msg.data, headers=dict(msg.headers or {}),
+                stream=meta.stream, seq=meta.sequence.stream, num_delivered=meta.num_delivered,
+                timestamp=meta.timestamp, consumer=consumer or meta.consumer,
+            )  # fmt: skip
+        # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>
         return cls(
-            msg=msg,
-            subject=msg.subject,
-            data=msg.data,
-            headers=dict(msg.headers or {}),
-            stream=meta.stream,
-            seq=meta.sequence.stream,
-            num_delivered=meta.num_delivered,
-            timestamp=meta.timestamp,
-            consumer=consumer or meta.consumer,
-        )
+            msg=msg, subject=msg.subject, data=msg.data, headers=dict(msg.headers or {}),
+            stream=tokens[2], seq=int(tokens[5]), num_delivered=int(tokens[4]),
+            timestamp=datetime.fromtimestamp(int(tokens[7]) / 1e9, UTC),
+            consumer=consumer or tokens[3],
+        )  # fmt: skip
 
     @property
     def stored_ts(self) -> str:

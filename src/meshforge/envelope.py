@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import Any, Self
@@ -241,7 +241,7 @@ def decode(
     data: bytes | bytearray | memoryview,
     headers: Mapping[str, str] | None = None,
     *,
-    default_ts: str | None = None,
+    default_ts: str | Callable[[], str] | None = None,
 ) -> Envelope:
     """Parse an envelope; headers win over the body for the same fact.
 
@@ -250,7 +250,8 @@ def decode(
 
     A missing ``id`` becomes the ``Nats-Msg-Id`` header or an id derived from the bytes
     (so redeliveries agree); a missing ``ts`` becomes ``default_ts`` (e.g. the stream's
-    stored time) or now. Raises :class:`MalformedMessage` and nothing else.
+    stored time; a function is called only then) or now. Raises :class:`MalformedMessage`
+    and nothing else.
     """
     try:
         obj = _JSON_DECODER.decode(data)
@@ -295,7 +296,7 @@ def decode(
         correlation_id=h.get(H_CORRELATION) or obj.get("correlation_id"),
         trace_id=trace[0] if trace else obj.get("trace_id"),
         span_id=trace[1] if trace else obj.get("span_id"),
-        ts=obj.get("ts") or default_ts or now_ts(),
+        ts=obj.get("ts") or (default_ts() if callable(default_ts) else default_ts) or now_ts(),
         schema_version=h.get(H_SCHEMA) or obj.get("schema_version") or SCHEMA_VERSION,
         not_before_ts=obj.get("not_before_ts"),
         deadline_ts=obj.get("deadline_ts"),

@@ -38,6 +38,7 @@ from meshforge.config import Settings, load_settings
 from meshforge.envelope import H_MSG_ID, Envelope, Outbound
 from meshforge.errors import InvalidSubject, PublishError, one_line
 from meshforge.observability import Metrics
+from meshforge.pubacks import PubAckPipe
 from meshforge.sizes import DEFAULT_MAX_PAYLOAD, Fitted, SizeLimits, check_fits, fit_message
 from meshforge.subjects import validate_subject
 
@@ -388,8 +389,15 @@ class Publisher:
         Before sending message ``i`` it waits for message ``i - max_in_flight``: PubAcks
         come back in order, so this costs nothing until the window is full, and there is
         no semaphore, timer or callback per message. One watchdog fails a PubAck not back
-        ``publish_timeout`` after its message left as a timeout.
+        ``publish_timeout`` after its message left as a timeout. On a MeshForge connection
+        the window goes through its lean path instead (``meshforge.pubacks``).
         """
+        pubacks = getattr(getattr(self.js, "_nc", None), "pubacks", None)
+        if pubacks is not None:
+            pipe: PubAckPipe = pubacks()
+            return await pipe.publish(
+                items, max_in_flight=max_in_flight, answer_within=self.settings.publish_timeout
+            )
         publish = self.js.publish_async
         clock = time.monotonic
         watch = _Watchdog(self.settings.publish_timeout)

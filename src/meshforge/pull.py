@@ -109,6 +109,9 @@ class PullSource:
             queue.put_nowait(msg)
 
         self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=on_message)
+        direct = getattr(self._nc, "deliver_direct", None)
+        if direct is not None:  # a MeshForge connection: straight into the queue
+            direct(self._sub._id, queue.put_nowait)
 
     async def fetch(self, n: int, stop: asyncio.Event | None = None) -> FetchResult:
         """Ask for up to ``n`` messages; return when they came, the server said there are

@@ -39,10 +39,24 @@ async def subject_count(js: JetStreamContext, stream: str, subject: str) -> int:
     return int((info.state.subjects or {}).get(subject, 0))
 
 
-@pytest.fixture
-async def streams(js: JetStreamContext) -> JetStreamContext:
+@pytest.fixture(params=["nats-py", "meshforge"])
+async def streams(
+    request: pytest.FixtureRequest, js: JetStreamContext, nats_url: str
+) -> AsyncIterator[JetStreamContext]:
+    """JetStream on a plain nats-py client, and on a MeshForge connection (whose publishes
+    take the lean path of ``meshforge.pubacks``): the publisher behaves the same on both."""
     await ensure(js, default_streams(settings()), [])
-    return js
+    if request.param == "nats-py":
+        yield js
+        return
+    async with await connect(settings(), url=nats_url) as conn:
+        yield conn.js
+
+
+def in_flight(js: JetStreamContext) -> int:
+    """PubAcks awaited now, on either path."""
+    pipe = getattr(js._nc, "_pipe", None)
+    return js.publish_async_pending() + (pipe.pending if pipe is not None else 0)
 
 
 @pytest.fixture
@@ -75,9 +89,10 @@ async def test_envelope_publish_and_duplicate(streams: JetStreamContext, own_sub
 
 async def test_bytes_get_headers_and_an_id(streams: JetStreamContext, own_subject: str) -> None:
     pub = Publisher(streams, settings(), Metrics())
-    given = await pub.publish(own_subject, b'{"raw": 1}', headers={"X-Test": "yes"}, msg_id="raw-1")
+    msg_id = f"raw-{uuid.uuid4().hex}"  # not a duplicate of another run's
+    given = await pub.publish(own_subject, b'{"raw": 1}', headers={"X-Test": "yes"}, msg_id=msg_id)
     stored = await streams.get_msg(STREAM_EVENTS, given.seq)
-    assert stored.headers == {"X-Test": "yes", H_MSG_ID: "raw-1"}
+    assert stored.headers == {"X-Test": "yes", H_MSG_ID: msg_id}
     # No id given: one is made, so a retried attempt could not be stored twice.
     made = await pub.publish(own_subject, b"{}")
     assert made.msg_id
@@ -267,7 +282,7 @@ async def test_publish_many_ten_thousand_bounded(
     async def sample() -> None:
         nonlocal peak
         while not done.is_set():
-            peak = max(peak, streams.publish_async_pending())
+            peak = max(peak, in_flight(streams))
             await asyncio.sleep(0)  # yield to the publisher between samples
 
     sampler = asyncio.create_task(sample())
@@ -296,15 +311,16 @@ async def test_publish_many_reports_the_first_failure(
     streams: JetStreamContext, own_subject: str
 ) -> None:
     pub = Publisher(streams, settings(), Metrics())
+    run = uuid.uuid4().hex[:8]  # ids of this run alone: no duplicate of another run's
     items = [
-        Outbound(own_subject, b"{}", {}, "m-0"),
-        Outbound(own_subject, b"x" * (1024 * 1024 + 10), {}, "m-1"),
-        Outbound("evt.bad.*", b"{}", {}, "m-2"),
-        Outbound(own_subject, b"{}", {}, "m-3"),
+        Outbound(own_subject, b"{}", {}, f"{run}-0"),
+        Outbound(own_subject, b"x" * (1024 * 1024 + 10), {}, f"{run}-1"),
+        Outbound("evt.bad.*", b"{}", {}, f"{run}-2"),
+        Outbound(own_subject, b"{}", {}, f"{run}-3"),
     ]
     with pytest.raises(PublishError) as info:
         await pub.publish_many(items)
-    assert str(info.value).startswith("message 1 of 4 (msg id 'm-1') failed (2 failed in all)")
+    assert str(info.value).startswith(f"message 1 of 4 (msg id '{run}-1') failed (2 failed in all)")
     assert info.value.kind == "payload_too_large"
     outcomes = await pub.publish_each(items)
     assert [type(o).__name__ for o in outcomes] == [

@@ -72,6 +72,7 @@ _UNRECOVERABLE: tuple[type[BaseException], ...] = (
 _BATCH_ATTEMPTS = 4
 _STORE_RETRY_DELAY = 0.5
 _MARK_IDLE = 1.0  # seconds without a commit before published marks get their own
+_GROUP_BATCHES = 4  # fetches one transaction may take under a backlog
 
 
 def consumer_name(agent: str) -> str:
@@ -109,8 +110,12 @@ class Engine(Generic[S]):
         self.metrics = metrics or Metrics.default()
         self.consumer = consumer_name(agent.name)
         self.handler_timeout = handler_timeout or min(self.settings.ack_wait / 2, 30.0)
-        #: Most commands one transaction takes from the batches waiting for it.
-        self.max_batch = self.settings.batch_size
+        #: Most commands one transaction takes from the batches waiting for it: under a
+        #: backlog several fetches share a commit (fewer syncs, fewer pages written again).
+        self.max_batch = _GROUP_BATCHES * self.settings.batch_size
+        #: Messages a consumer feeding this engine should hold: a group committing, one
+        #: publishing, and fetches waiting for the next.
+        self.max_held = self.max_batch + 2 * self.settings.batch_size
         self._commands = agent.commands()
         # Plain-function handlers behind the stock Agent.handle run without awaiting anything.
         stock = type(agent).handle is Agent.handle

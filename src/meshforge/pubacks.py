@@ -1,0 +1,249 @@
+"""A lean JetStream publish path: a window of messages in one write, one shared reply
+subject, PubAcks resolved straight from the connection's read loop.
+
+nats-py's ``publish_async`` pays, for every message, a semaphore wait, a random token, a
+future with a done callback, a hop through a subscription queue and a task wake-up for
+its PubAck, and a dataclass built field by field from the reply. ``PubAckPipe`` sends each
+window of messages as one buffer and files each PubAck into the caller's list by a
+counter token; MeshForge's client class (``meshforge.connection``) hands it the replies
+before nats-py would build a message for them. The answers are nats-py's own types (a
+``PubAck``, or the error nats-py would raise), so callers classify them as before.
+
+Example (what ``Publisher.publish_many`` does on a MeshForge connection)::
+
+    pipe = nc.pubacks()
+    answers = await pipe.publish(items, max_in_flight=256, answer_within=5.0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import PubAck
+
+from meshforge.envelope import Outbound
+
+__all__ = ["PubAckPipe", "encode_headers"]
+
+Answer = PubAck | BaseException
+
+# The same rules nats-py applies to header names and values when it sends them.
+_KEY_RE = re.compile(r"^[!-9;-~]+$")
+_VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
+_known_keys: dict[str, bool] = {}
+_STATUS_AT = len(b"NATS/1.0 ")
+
+
+def encode_headers(headers: Mapping[str, str]) -> bytes:
+    """The NATS header block for ``headers``, exactly as nats-py writes it (names checked,
+    values stripped, line breaks in values made spaces)."""
+    lines = ["NATS/1.0\r\n"]
+    for k, v in headers.items():
+        key = k.strip()
+        if not key:
+            continue
+        ok = _known_keys.get(key)
+        if ok is None:
+            ok = bool(_KEY_RE.fullmatch(key))
+            if len(_known_keys) < 1024:
+                _known_keys[key] = ok
+        if not ok:
+            raise nats.errors.BadHeaderError(key)
+        lines.append(f"{key}: {v.strip().translate(_VALUE_NEWLINES)}\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode()
+
+
+def _answer(data: bytes, headers: bytes | None) -> Answer:
+    """A PubAck, or the error nats-py's ``publish_async`` would have set."""
+    if headers and headers[_STATUS_AT : _STATUS_AT + 3] == b"503":
+        return nats.js.errors.NoStreamResponseError()
+    try:
+        resp = json.loads(data)
+        if "error" in resp:
+            nats.js.errors.APIError.from_error(resp["error"])  # raises the matching type
+        return PubAck(
+            stream=resp["stream"], seq=resp["seq"], domain=resp.get("domain"),
+            duplicate=resp.get("duplicate"),
+        )  # fmt: skip
+    except nats.js.errors.APIError as err:
+        return err
+    except (ValueError, TypeError, KeyError) as exc:
+        return nats.errors.Error(f"nats: unreadable PubAck: {exc}")
+
+
+class _Call:
+    """The answers of one ``publish`` call, and a waiter woken as they come."""
+
+    __slots__ = ("answers", "open", "waiter", "wake_at")
+
+    def __init__(self, n: int) -> None:
+        self.answers: list[Answer | None] = [None] * n
+        self.open = 0  # sent, not answered
+        self.waiter: asyncio.Future[None] | None = None
+        self.wake_at = 0
+
+    def settle(self, index: int, answer: Answer) -> None:
+        if self.answers[index] is not None:
+            return
+        self.answers[index] = answer
+        self.open -= 1
+        waiter = self.waiter
+        if waiter is not None and self.open <= self.wake_at and not waiter.done():
+            waiter.set_result(None)
+
+
+class PubAckPipe:
+    """Pipelined JetStream publishes on one nats-py client (see the module docstring)."""
+
+    def __init__(self, nc: Any) -> None:
+        self._nc = nc
+        self.sid: int | None = None
+        self._prefix = b""
+        self._open: dict[bytes, tuple[_Call, int]] = {}
+        self._next = 0
+        self._starting: asyncio.Lock | None = None
+
+    async def _start(self) -> None:
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self.sid is not None:
+                return
+            nc = self._nc
+            prefix = nc._inbox_prefix.decode() + "." + nc._nuid.next().decode() + "."
+            sub = await nc.subscribe(prefix + "*")
+            self._prefix = prefix.encode()
+            self.sid = sub._id
+
+    @property
+    def pending(self) -> int:
+        """Messages sent whose PubAck has not come yet."""
+        return len(self._open)
+
+    def on_reply(self, subject: bytes, data: bytes, headers: bytes | None) -> None:
+        """A reply on the pipe's subject (called from the connection's read loop)."""
+        entry = self._open.pop(bytes(subject[len(self._prefix) :]), None)
+        if entry is not None:
+            call, index = entry
+            call.settle(index, _answer(data, headers))
+
+    async def publish(
+        self, items: Sequence[Outbound], *, max_in_flight: int, answer_within: float
+    ) -> list[Answer]:
+        """Send every item in order, at most ``max_in_flight`` PubAcks outstanding; one
+        answer per item. A PubAck not back ``answer_within`` seconds after its message left
+        is a ``nats.errors.TimeoutError``."""
+        if self.sid is None:
+            try:
+                await self._start()
+            except nats.errors.Error as exc:  # closed, draining: every message refused
+                return [exc] * len(items)
+        call = _Call(len(items))
+        chunks: list[tuple[int, int, float]] = []  # (start, end, sent at)
+        try:
+            start = 0
+            while start < len(items):
+                room = max_in_flight - call.open
+                if room <= 0:
+                    await self._wait(call, chunks, max_in_flight // 2, answer_within)
+                    continue
+                end = min(len(items), start + room)
+                self._send(call, items, start, end)
+                chunks.append((start, end, time.monotonic()))
+                start = end
+                # Let the flusher write this window while the next one is built.
+                await self._flush()
+            while call.open > 0:
+                await self._wait(call, chunks, 0, answer_within)
+        finally:
+            self._forget(call, chunks, None)
+        return [a if a is not None else nats.errors.TimeoutError() for a in call.answers]
+
+    def _send(self, call: _Call, items: Sequence[Outbound], start: int, end: int) -> None:
+        nc = self._nc
+        refused = self._refused(nc)
+        prefix = self._prefix
+        parts: list[bytes] = []
+        size = 0
+        for index in range(start, end):
+            item = items[index]
+            if refused is None:
+                try:
+                    hdr = encode_headers(item.headers)
+                except nats.errors.Error as exc:
+                    call.answers[index] = exc
+                    continue
+                data = item.data
+                if len(data) > nc._max_payload:
+                    call.answers[index] = nats.errors.MaxPayloadError()
+                    continue
+                token = str(self._next).encode()
+                self._next += 1
+                head = f"HPUB {item.subject} ".encode() + prefix + token
+                parts.append(b"%s %d %d\r\n%s%s\r\n" % (head, len(hdr), len(hdr) + len(data), hdr, data))
+                size += len(data)
+                self._open[token] = (call, index)
+                call.open += 1
+            else:
+                call.answers[index] = refused
+        if parts:
+            blob = b"".join(parts)
+            nc.stats["out_msgs"] += len(parts)
+            nc.stats["out_bytes"] += size
+            nc._pending.append(blob)
+            nc._pending_data_size += len(blob)
+
+    @staticmethod
+    def _refused(nc: Any) -> BaseException | None:
+        """What nats-py's ``publish`` would raise now for any message, if anything."""
+        if nc.is_closed:
+            return nats.errors.ConnectionClosedError()
+        if nc.is_draining_pubs:
+            return nats.errors.ConnectionDrainingError()
+        if not nc.is_connected and (
+            nc._max_pending_size <= 0 or nc._pending_data_size > nc._max_pending_size
+        ):
+            return nats.errors.OutboundBufferLimitError()
+        return None
+
+    async def _flush(self) -> None:
+        nc = self._nc
+        if nc._max_pending_size > 0 and nc._pending_data_size > nc._max_pending_size:
+            await nc._flush_pending(force_flush=True)
+        elif nc._flush_queue is not None and nc._flush_queue.empty():
+            await nc._flush_pending()
+
+    async def _wait(
+        self, call: _Call, chunks: list[tuple[int, int, float]], open_at_most: int, answer_within: float
+    ) -> None:
+        """Until at most ``open_at_most`` answers are missing, or the oldest open message's
+        time is up (its answers, and those of messages as old, become timeouts)."""
+        if call.open <= open_at_most:
+            return
+        oldest = next(sent for start, end, sent in chunks if None in call.answers[start:end])
+        call.wake_at = open_at_most
+        call.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(call.waiter, max(0.0, oldest + answer_within - time.monotonic()))
+        except TimeoutError:
+            self._forget(call, chunks, time.monotonic() - answer_within)
+        finally:
+            call.waiter = None
+
+    def _forget(self, call: _Call, chunks: list[tuple[int, int, float]], sent_before: float | None) -> None:
+        """Time out the open messages sent before ``sent_before`` (all when None)."""
+        timed_out = {start for start, end, sent in chunks if sent_before is None or sent <= sent_before}
+        if not call.open or not timed_out:
+            return
+        for token, (owner, index) in list(self._open.items()):
+            if owner is call and any(s <= index < e for s, e, _ in chunks if s in timed_out):
+                del self._open[token]
+                call.settle(index, nats.errors.TimeoutError())
