@@ -35,15 +35,29 @@ __all__ = ["PubAckPipe", "encode_headers"]
 Answer = PubAck | BaseException
 
 # The same rules nats-py applies to header names and values when it sends them.
-_KEY_RE = re.compile(r"^[!-9;-~]+$")
+_KEY_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token, as nats-py checks
 _VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 _known_keys: dict[str, bool] = {}
+_OTHER_SPACES = "\t\x0b\x0c\x1c\x1d\x1e\x1f"  # ASCII whitespace str.strip() removes, but ' \r\n'
 _STATUS_AT = len(b"NATS/1.0 ")
 
 
 def encode_headers(headers: Mapping[str, str]) -> bytes:
     """The NATS header block for ``headers``, exactly as nats-py writes it (names checked,
     values stripped, line breaks in values made spaces)."""
+    text = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+    n = len(headers)
+    # The common case in one pass: known good names, nothing to strip, no line breaks.
+    if (
+        text.isascii()
+        and text.count("\n") == n
+        and text.count("\r") == n
+        and ":  " not in text
+        and " \r" not in text
+        and not any([c in text for c in _OTHER_SPACES])
+        and all([_known_keys.get(k) for k in headers])
+    ):
+        return b"NATS/1.0\r\n" + text.encode() + b"\r\n"
     lines = ["NATS/1.0\r\n"]
     for k, v in headers.items():
         key = k.strip()

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 
@@ -89,6 +90,18 @@ def validate_subject(subject: str, *, wildcards: bool = False) -> str:
 
 
 def _build(*tokens: str) -> str:
+    try:
+        return _built(tokens)
+    except TypeError:  # a token that is not even hashable: the checks name it
+        return _checked(tokens)
+
+
+@functools.lru_cache(maxsize=4096)  # a deployment builds the same few subjects again and again
+def _built(tokens: tuple[str, ...]) -> str:
+    return _checked(tokens)
+
+
+def _checked(tokens: tuple[str, ...]) -> str:
     for token in tokens:
         validate_token(token)
     return validate_subject(".".join(tokens))

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import pytest
@@ -121,3 +122,10 @@ def test_traceparent() -> None:
     assert parse_traceparent(format_traceparent("1" * 32, "2" * 16)) == ("1" * 32, "2" * 16)
     assert parse_traceparent("garbage") is None
     assert parse_traceparent("00-" + "0" * 32 + "-" + "2" * 16 + "-01") is None
+
+
+@given(st.text(max_size=200), st.integers(min_value=0, max_value=10**6))
+def test_derived_ids_are_the_standard_uuid5(cause: str, position: int) -> None:
+    # Ids are part of the wire contract: the fast form must be uuid.uuid5 exactly.
+    namespace = uuid.UUID("6d657368-666f-7267-6500-000000000001")
+    assert derive_id(cause, position) == str(uuid.uuid5(namespace, f"{cause}/{position}"))
