@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import ssl
 from collections.abc import Callable, Sequence
@@ -52,18 +53,8 @@ def tls_context(settings: Settings) -> ssl.SSLContext | None:
 
 
 def settings_auth(settings: Settings) -> NatsAuth:
-    """The auth and TLS part of ``settings``."""
-    return NatsAuth(
-        user=settings.user,
-        password=settings.password,
-        token=settings.token,
-        creds_file=settings.creds_file,
-        nkey_seed=settings.nkey_seed,
-        nkey_seed_file=settings.nkey_seed_file,
-        tls_ca=settings.tls_ca,
-        tls_cert=settings.tls_cert,
-        tls_key=settings.tls_key,
-    )
+    """The auth and TLS part of ``settings`` (every ``NatsAuth`` field has its setting)."""
+    return NatsAuth(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(NatsAuth)})
 
 
 def _auth_options(settings: Settings) -> dict[str, Any]:

@@ -7,11 +7,14 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from meshforge.server import DataDirLock, EmbeddedServer
+
+if TYPE_CHECKING:
+    from meshforge.config import Settings
 
 NatsUrl = Annotated[
     str | None,
@@ -144,3 +147,28 @@ def nats_target(url: str | None, home: Path = HOME) -> Iterator[str]:
     with embedded_server(home) as server:
         typer.secho(f"embedded nats-server at {server.url} (data in {home}/nats)", err=True, dim=True)
         yield server.url
+
+
+def service_settings(
+    *,
+    store: str | None,
+    nats_url: str | None,
+    no_provision: bool,
+    metrics_port: int | None,
+    metrics_host: str | None,
+    **more: Any,
+) -> Settings:
+    """Settings for a long-running command (``run``, ``node``): its options over the
+    environment and the defaults (an option left out keeps what they say)."""
+    from meshforge.config import load_settings
+
+    return load_settings(
+        {
+            "store_url": store,
+            "nats_url": nats_url,
+            "provision": False if no_provision else None,
+            "metrics_port": metrics_port,
+            "metrics_host": metrics_host,
+            **more,
+        }
+    )

@@ -15,6 +15,7 @@ from meshforge.cli.common import (
     NoProvision,
     StoreUrl,
     nats_target,
+    service_settings,
 )
 
 if TYPE_CHECKING:
@@ -46,22 +47,16 @@ def node(
 ) -> None:
     """Run a node: pull its mailbox control.cmd.SITE.NODE, run each command once, reply on
     control.reply.SITE.NODE. Its epoch (a boot counter in the store) goes up by one per start."""
-    from meshforge.config import load_settings
     from meshforge.control.node import load_node
     from meshforge.observability import configure_logging
     from meshforge.subjects import validate_token
 
     validate_token(site, "site")
     validate_token(name, "node")
-    settings = load_settings(
-        {
-            "store_url": store,
-            "nats_url": nats_url,
-            "provision": False if no_provision else None,
-            "metrics_port": metrics_port,
-            "metrics_host": metrics_host,
-        }
-    )
+    settings = service_settings(
+        store=store, nats_url=nats_url, no_provision=no_provision, metrics_port=metrics_port,
+        metrics_host=metrics_host,
+    )  # fmt: skip
     configure_logging(settings.log_level, settings.log_json)
     instance = load_node(spec)
     with nats_target(settings.nats_url) as url:

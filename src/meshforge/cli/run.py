@@ -15,6 +15,7 @@ from meshforge.cli.common import (
     NoProvision,
     StoreUrl,
     nats_target,
+    service_settings,
 )
 
 if TYPE_CHECKING:
@@ -62,20 +63,13 @@ def run(
     Shutdown is graceful: fetching stops, in-flight commands finish (or go back to the
     stream), nothing is lost.
     """
-    from meshforge.config import load_settings
     from meshforge.observability import configure_logging
     from meshforge.runtime.worker import import_from_cwd, load_agent
 
-    settings = load_settings(
-        {
-            "store_url": store,
-            "nats_url": nats_url,
-            "provision": False if no_provision else None,
-            "metrics_port": metrics_port,
-            "partitions": partitions,
-            "metrics_host": metrics_host,
-        }
-    )
+    settings = service_settings(
+        store=store, nats_url=nats_url, no_provision=no_provision, metrics_port=metrics_port,
+        metrics_host=metrics_host, partitions=partitions,
+    )  # fmt: skip
     if settings.partitions and push:
         raise typer.BadParameter("partitions need pull consumers: drop --push", param_hint="--partitions")
     if push != (deliver_group is not None):
