@@ -8,13 +8,13 @@ both dialects plan as primary-key lookups; lists past the parameter limit are ch
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from meshforge.errors import StoreError
 from meshforge.scope import Scope
 from meshforge.store.base import NewEffect, NewState, Scoped, StoredOutput
-from meshforge.store.sql import Dialect, Runner, dump_headers, load_headers, spoils
+from meshforge.store.sql import Dialect, Runner, dump_headers, in_clause, load_headers, spoils
 
 
 class BatchMethods:
@@ -67,11 +67,12 @@ class BatchMethods:
                  [s.position for s in last]),
             )  # fmt: skip
             return
-        self._run.each(
-            f"INSERT INTO {columns} VALUES {{rows}}" + upsert,
-            [(s.scope.tenant, s.scope.namespace, agent, s.resource_id, bytes(s.data), s.position,
-              self._now) for s in last],
-        )  # fmt: skip
+        rows = [(s.scope.tenant, s.scope.namespace, agent, s.resource_id, bytes(s.data),
+                 s.position, self._now) for s in last]  # fmt: skip
+        if self._d.row_at_a_time:
+            self._run.many(f"INSERT INTO {columns} VALUES {in_clause(7)}" + upsert, rows)
+        else:
+            self._run.each(f"INSERT INTO {columns} VALUES {{rows}}" + upsert, rows)
 
     @spoils
     def effects_get(
@@ -116,6 +117,25 @@ class BatchMethods:
                 if exc.kind != "duplicate":
                     raise
                 raise self._duplicate(consumer, f"a key is already stored ({exc})") from exc
+        elif self._d.row_at_a_time:
+            # One writer at a time (BEGIN IMMEDIATE): a plain INSERT per row, and the row
+            # being inserted when the key turns out to be stored names it.
+            current: list[tuple[Any, ...]] = []
+
+            def each_row() -> Iterator[tuple[Any, ...]]:
+                for row in rows:
+                    current[:] = [row]
+                    yield row
+
+            try:
+                self._run.many(f"INSERT INTO {target} VALUES {in_clause(6)}", each_row())
+            except StoreError as exc:
+                if exc.kind != "duplicate" or not current:
+                    raise
+                tenant, namespace, _, key = current[0][:4]
+                raise self._duplicate(
+                    consumer, f"key {key!r} in {Scope(tenant, namespace)} is already stored"
+                ) from exc
         else:
             # DO NOTHING, then compare: the duplicate is named, and a concurrent transaction
             # storing the same key is waited for, as with a plain INSERT.
@@ -149,6 +169,12 @@ class BatchMethods:
 
     @spoils
     def effects_mark_published(self, consumer: str, keys: Iterable[Scoped]) -> int:
+        if self._d.row_at_a_time:
+            return self._run.many(
+                "UPDATE meshforge_effects SET published_at = ? WHERE tenant = ?"
+                " AND namespace = ? AND consumer = ? AND key = ?",
+                [(self._now, s.tenant, s.namespace, consumer, k) for s, k in sorted(set(keys))],
+            )
         return self._run.each_count(
             "UPDATE meshforge_effects SET published_at = ? FROM ({keys}) AS u"
             " WHERE tenant = u.column1 AND namespace = u.column2 AND consumer = u.column3"
