@@ -14,7 +14,8 @@ from typing import Any
 from meshforge.errors import StoreError
 from meshforge.scope import Scope
 from meshforge.store.base import NewEffect, NewState, Scoped, StoredOutput
-from meshforge.store.sql import Dialect, Runner, dump_headers, in_clause, load_headers, spoils
+from meshforge.store.packing import pack_outputs, unpack_outputs
+from meshforge.store.sql import Dialect, Runner, in_clause, spoils
 
 
 class BatchMethods:
@@ -81,21 +82,13 @@ class BatchMethods:
         wanted = sorted(set(keys))
         found: dict[Scoped, list[StoredOutput] | None] = dict.fromkeys(wanted)
         rows = self._run.each(
-            "SELECT e.tenant, e.namespace, e.key, o.position, o.subject, o.msg_id, o.data,"
-            " o.headers FROM ({keys}) AS u JOIN meshforge_effects e ON e.tenant = u.column1"
-            " AND e.namespace = u.column2 AND e.consumer = u.column3 AND e.key = u.column4"
-            " LEFT JOIN meshforge_effect_outputs o ON o.tenant = e.tenant"
-            " AND o.namespace = e.namespace AND o.consumer = e.consumer AND o.key = e.key"
-            " ORDER BY e.tenant, e.namespace, e.key, o.position",
+            "SELECT e.tenant, e.namespace, e.key, e.outputs FROM ({keys}) AS u"
+            " JOIN meshforge_effects e ON e.tenant = u.column1 AND e.namespace = u.column2"
+            " AND e.consumer = u.column3 AND e.key = u.column4",
             [(s.tenant, s.namespace, consumer, k) for s, k in wanted],
         )
-        for tenant, namespace, key, position, subject, msg_id, data, headers in rows:
-            outputs = found.get((scope := Scope(tenant, namespace), key))
-            if outputs is None:
-                outputs = found[(scope, key)] = []
-            if position is not None:
-                outputs.append(StoredOutput(int(position), subject, msg_id, bytes(data),
-                                            load_headers(headers)))  # fmt: skip
+        for tenant, namespace, key, outputs in rows:
+            found[(Scope(tenant, namespace), key)] = unpack_outputs(outputs)
         return found
 
     @spoils
@@ -107,9 +100,11 @@ class BatchMethods:
             if (e.scope, e.key) in seen:
                 raise self._duplicate(consumer, f"key {e.key!r} in {e.scope} is given twice")
             seen.add((e.scope, e.key))
-        rows = [(e.scope.tenant, e.scope.namespace, consumer, e.key, e.command_id, self._now)
-                for e in effects]  # fmt: skip
-        target = "meshforge_effects (tenant, namespace, consumer, key, command_id, created_at)"
+        rows = [(e.scope.tenant, e.scope.namespace, consumer, e.key, e.command_id, self._now,
+                 pack_outputs(e.outputs)) for e in effects]  # fmt: skip
+        target = (
+            "meshforge_effects (tenant, namespace, consumer, key, command_id, created_at, outputs)"
+        )
         if self._d.copy_in is not None:
             try:
                 self._run.insert(target, rows)
@@ -128,7 +123,7 @@ class BatchMethods:
                     yield row
 
             try:
-                self._run.many(f"INSERT INTO {target} VALUES {in_clause(6)}", each_row())
+                self._run.many(f"INSERT INTO {target} VALUES {in_clause(7)}", each_row())
             except StoreError as exc:
                 if exc.kind != "duplicate" or not current:
                     raise
@@ -149,16 +144,6 @@ class BatchMethods:
                 stored = {(Scope(t, ns), k) for t, ns, k in inserted}
                 scope, key = next(k for k in seen if k not in stored)
                 raise self._duplicate(consumer, f"key {key!r} in {scope} is already stored")
-        self._run.insert(
-            "meshforge_effect_outputs (tenant, namespace, consumer, key, position, subject,"
-            " msg_id, data, headers)",
-            [
-                (e.scope.tenant, e.scope.namespace, consumer, e.key, o.position, o.subject,
-                 o.msg_id, bytes(o.data), dump_headers(o.headers))
-                for e in effects
-                for o in e.outputs
-            ],
-        )  # fmt: skip
 
     @staticmethod
     def _duplicate(consumer: str, what: str) -> StoreError:
