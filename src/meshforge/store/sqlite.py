@@ -106,11 +106,10 @@ class SqliteStore(SqlStore):
             if path != MEMORY:
                 self._conn.execute("PRAGMA journal_mode = WAL")
             self._conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
-            # A commit dirties a page of each random-key index (effect keys, event ids,
-            # states) per command: 16 MiB of cache (RSS, at most) saves reading them back,
-            # and checkpoints every 4,000 WAL frames (16 MiB) copy a page rewritten by
-            # several commits into the database once, not once per commit or two.
-            self._conn.execute("PRAGMA cache_size = -16384")
+            # A commit rewrites a page of each random-key index (effect keys, event ids,
+            # states) per command; checkpoints every 4,000 WAL frames (16 MiB) copy a page
+            # that several commits rewrote into the database once, not once per commit or
+            # two. (A bigger page cache saves only reads the OS cache serves, and grows RSS.)
             self._conn.execute("PRAGMA wal_autocheckpoint = 4000")
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open SQLite store {path!r}: {one_line(exc)}") from exc
