@@ -68,7 +68,7 @@ class Sample:
     kept_bytes: int = 0  # the rest: event log, states, heads
 
 
-RETAINED = ("meshforge_effects", "meshforge_effect_outputs", "meshforge_inbox")
+RETAINED = ("meshforge_effects", "meshforge_inbox")  # an effect's outputs are in its row
 
 
 def probe(db: Path) -> tuple[int, int, int]:

@@ -8,13 +8,14 @@ both dialects plan as primary-key lookups; lists past the parameter limit are ch
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from meshforge.errors import StoreError
 from meshforge.scope import Scope
 from meshforge.store.base import NewEffect, NewState, Scoped, StoredOutput
-from meshforge.store.sql import Dialect, Runner, dump_headers, load_headers, spoils
+from meshforge.store.packing import pack_outputs, unpack_outputs
+from meshforge.store.sql import Dialect, Runner, in_clause, spoils
 
 
 class BatchMethods:
@@ -67,11 +68,12 @@ class BatchMethods:
                  [s.position for s in last]),
             )  # fmt: skip
             return
-        self._run.each(
-            f"INSERT INTO {columns} VALUES {{rows}}" + upsert,
-            [(s.scope.tenant, s.scope.namespace, agent, s.resource_id, bytes(s.data), s.position,
-              self._now) for s in last],
-        )  # fmt: skip
+        rows = [(s.scope.tenant, s.scope.namespace, agent, s.resource_id, bytes(s.data),
+                 s.position, self._now) for s in last]  # fmt: skip
+        if self._d.row_at_a_time:
+            self._run.many(f"INSERT INTO {columns} VALUES {in_clause(7)}" + upsert, rows)
+        else:
+            self._run.each(f"INSERT INTO {columns} VALUES {{rows}}" + upsert, rows)
 
     @spoils
     def effects_get(
@@ -80,21 +82,13 @@ class BatchMethods:
         wanted = sorted(set(keys))
         found: dict[Scoped, list[StoredOutput] | None] = dict.fromkeys(wanted)
         rows = self._run.each(
-            "SELECT e.tenant, e.namespace, e.key, o.position, o.subject, o.msg_id, o.data,"
-            " o.headers FROM ({keys}) AS u JOIN meshforge_effects e ON e.tenant = u.column1"
-            " AND e.namespace = u.column2 AND e.consumer = u.column3 AND e.key = u.column4"
-            " LEFT JOIN meshforge_effect_outputs o ON o.tenant = e.tenant"
-            " AND o.namespace = e.namespace AND o.consumer = e.consumer AND o.key = e.key"
-            " ORDER BY e.tenant, e.namespace, e.key, o.position",
+            "SELECT e.tenant, e.namespace, e.key, e.outputs FROM ({keys}) AS u"
+            " JOIN meshforge_effects e ON e.tenant = u.column1 AND e.namespace = u.column2"
+            " AND e.consumer = u.column3 AND e.key = u.column4",
             [(s.tenant, s.namespace, consumer, k) for s, k in wanted],
         )
-        for tenant, namespace, key, position, subject, msg_id, data, headers in rows:
-            outputs = found.get((scope := Scope(tenant, namespace), key))
-            if outputs is None:
-                outputs = found[(scope, key)] = []
-            if position is not None:
-                outputs.append(StoredOutput(int(position), subject, msg_id, bytes(data),
-                                            load_headers(headers)))  # fmt: skip
+        for tenant, namespace, key, outputs in rows:
+            found[(Scope(tenant, namespace), key)] = unpack_outputs(outputs)
         return found
 
     @spoils
@@ -106,9 +100,11 @@ class BatchMethods:
             if (e.scope, e.key) in seen:
                 raise self._duplicate(consumer, f"key {e.key!r} in {e.scope} is given twice")
             seen.add((e.scope, e.key))
-        rows = [(e.scope.tenant, e.scope.namespace, consumer, e.key, e.command_id, self._now)
-                for e in effects]  # fmt: skip
-        target = "meshforge_effects (tenant, namespace, consumer, key, command_id, created_at)"
+        rows = [(e.scope.tenant, e.scope.namespace, consumer, e.key, e.command_id, self._now,
+                 pack_outputs(e.outputs)) for e in effects]  # fmt: skip
+        target = (
+            "meshforge_effects (tenant, namespace, consumer, key, command_id, created_at, outputs)"
+        )
         if self._d.copy_in is not None:
             try:
                 self._run.insert(target, rows)
@@ -116,6 +112,25 @@ class BatchMethods:
                 if exc.kind != "duplicate":
                     raise
                 raise self._duplicate(consumer, f"a key is already stored ({exc})") from exc
+        elif self._d.row_at_a_time:
+            # One writer at a time (BEGIN IMMEDIATE): a plain INSERT per row, and the row
+            # being inserted when the key turns out to be stored names it.
+            current: list[tuple[Any, ...]] = []
+
+            def each_row() -> Iterator[tuple[Any, ...]]:
+                for row in rows:
+                    current[:] = [row]
+                    yield row
+
+            try:
+                self._run.many(f"INSERT INTO {target} VALUES {in_clause(7)}", each_row())
+            except StoreError as exc:
+                if exc.kind != "duplicate" or not current:
+                    raise
+                tenant, namespace, _, key = current[0][:4]
+                raise self._duplicate(
+                    consumer, f"key {key!r} in {Scope(tenant, namespace)} is already stored"
+                ) from exc
         else:
             # DO NOTHING, then compare: the duplicate is named, and a concurrent transaction
             # storing the same key is waited for, as with a plain INSERT.
@@ -129,16 +144,6 @@ class BatchMethods:
                 stored = {(Scope(t, ns), k) for t, ns, k in inserted}
                 scope, key = next(k for k in seen if k not in stored)
                 raise self._duplicate(consumer, f"key {key!r} in {scope} is already stored")
-        self._run.insert(
-            "meshforge_effect_outputs (tenant, namespace, consumer, key, position, subject,"
-            " msg_id, data, headers)",
-            [
-                (e.scope.tenant, e.scope.namespace, consumer, e.key, o.position, o.subject,
-                 o.msg_id, bytes(o.data), dump_headers(o.headers))
-                for e in effects
-                for o in e.outputs
-            ],
-        )  # fmt: skip
 
     @staticmethod
     def _duplicate(consumer: str, what: str) -> StoreError:
@@ -149,6 +154,12 @@ class BatchMethods:
 
     @spoils
     def effects_mark_published(self, consumer: str, keys: Iterable[Scoped]) -> int:
+        if self._d.row_at_a_time:
+            return self._run.many(
+                "UPDATE meshforge_effects SET published_at = ? WHERE tenant = ?"
+                " AND namespace = ? AND consumer = ? AND key = ?",
+                [(self._now, s.tenant, s.namespace, consumer, k) for s, k in sorted(set(keys))],
+            )
         return self._run.each_count(
             "UPDATE meshforge_effects SET published_at = ? FROM ({keys}) AS u"
             " WHERE tenant = u.column1 AND namespace = u.column2 AND consumer = u.column3"

@@ -27,9 +27,9 @@ from meshforge.store.base import (
     OutboxRow,
     OutboxState,
     StoredEvent,
-    StoredOutput,
     Transaction,
 )
+from meshforge.store.packing import unpack_outputs
 from meshforge.store.sql import (
     Cursor,
     Dialect,
@@ -38,7 +38,7 @@ from meshforge.store.sql import (
     in_clause,
     load_headers,
 )
-from meshforge.store.transaction import INBOX_COLUMNS, SqlTransaction, inbox_record, output_of
+from meshforge.store.transaction import INBOX_COLUMNS, SqlTransaction, inbox_record
 
 T = TypeVar("T")
 Clock = Callable[[], datetime]
@@ -233,17 +233,10 @@ class SqlStore(ABC):
             )
 
     def effects_cleanup(self, older_than: datetime) -> int:
-        cutoff = self._ts(older_than)
         with self._short() as run:
-            run.count(
-                "DELETE FROM meshforge_effect_outputs WHERE EXISTS (SELECT 1 FROM"
-                " meshforge_effects e WHERE e.tenant = meshforge_effect_outputs.tenant"
-                " AND e.namespace = meshforge_effect_outputs.namespace"
-                " AND e.consumer = meshforge_effect_outputs.consumer"
-                " AND e.key = meshforge_effect_outputs.key AND e.created_at < ?)",
-                (cutoff,),
+            return run.count(
+                "DELETE FROM meshforge_effects WHERE created_at < ?", (self._ts(older_than),)
             )
-            return run.count("DELETE FROM meshforge_effects WHERE created_at < ?", (cutoff,))
 
     def node_replies_cleanup(self, older_than: datetime) -> int:
         """Delete node replies stored before ``older_than``; returns how many."""
@@ -299,52 +292,31 @@ class SqlStore(ABC):
         return [(Scope(r[0], r[1]), r[2]) for r in rows]
 
     def effects_read(self, consumer: str | None = None) -> Iterator[EffectRecord]:
+        d = self._dialect
         after: tuple[str, str, str, str] | None = None
         while True:
             where, params = _keyset(consumer, after)
             with self._short(write=False) as run:
                 rows = run.rows(
-                    "SELECT e.consumer, e.key, e.command_id, e.created_at, e.published_at,"
-                    " o.position, o.subject, o.msg_id, o.data, o.headers, e.tenant, e.namespace"
-                    " FROM (SELECT tenant, namespace, consumer, key, command_id, created_at,"
-                    f" published_at FROM meshforge_effects{where}"
-                    " ORDER BY tenant, namespace, consumer, key LIMIT ?) e"
-                    " LEFT JOIN meshforge_effect_outputs o ON o.tenant = e.tenant"
-                    " AND o.namespace = e.namespace AND o.consumer = e.consumer AND o.key = e.key"
-                    " ORDER BY e.tenant, e.namespace, e.consumer, e.key, o.position",
+                    "SELECT consumer, key, command_id, created_at, published_at, outputs,"
+                    f" tenant, namespace FROM meshforge_effects{where}"
+                    " ORDER BY tenant, namespace, consumer, key LIMIT ?",
                     (*params, self.page_size),
                 )
-            records = self._group_effects(rows)
+            records = [
+                EffectRecord(
+                    consumer=r[0], key=r[1], command_id=r[2],
+                    outputs=tuple(unpack_outputs(r[5])), created_at=d.ts_out(r[3]),
+                    published_at=None if r[4] is None else d.ts_out(r[4]),
+                    scope=Scope(r[6], r[7]),
+                )
+                for r in rows
+            ]
             yield from records
             if len(records) < self.page_size:
                 return
             last = records[-1]
             after = (last.scope.tenant, last.scope.namespace, last.consumer, last.key)
-
-    def _group_effects(self, rows: list[tuple[Any, ...]]) -> list[EffectRecord]:
-        records: list[EffectRecord] = []
-        head: tuple[Any, ...] | None = None
-        outputs: list[StoredOutput] = []
-        d = self._dialect
-        for r in [*rows, None]:
-            if head is not None and (
-                r is None or (r[10], r[11], r[0], r[1]) != (head[10], head[11], head[0], head[1])
-            ):
-                records.append(
-                    EffectRecord(
-                        consumer=head[0], key=head[1], command_id=head[2],
-                        outputs=tuple(outputs), created_at=d.ts_out(head[3]),
-                        published_at=None if head[4] is None else d.ts_out(head[4]),
-                        scope=Scope(head[10], head[11]),
-                    )
-                )  # fmt: skip
-                outputs = []
-            if r is None:
-                break
-            head = r
-            if r[5] is not None:
-                outputs.append(output_of(r[5:10]))
-        return records
 
     def inbox_read(
         self, consumer: str | None = None, *, status: InboxStatus | None = None

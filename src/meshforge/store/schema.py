@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from meshforge.errors import StoreError
+from meshforge.store.packing import STEPS as PACK_STEPS
 from meshforge.store.scoping import STEPS as SCOPE_STEPS
 from meshforge.store.scoping import Step
 
@@ -76,6 +77,8 @@ MIGRATIONS: list[tuple[int, list[Step]]] = [
     ),
     # Tenant and namespace in the keys of states, events, effects and inbox rows.
     (2, SCOPE_STEPS),
+    # An effect's outputs packed into its own row (one key written per effect, not two).
+    (3, PACK_STEPS),
 ]
 
 LATEST = MIGRATIONS[-1][0]

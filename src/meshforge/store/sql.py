@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import lru_cache
+from itertools import chain
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
 from meshforge.errors import ConfigError, StoreError, one_line
@@ -31,6 +32,8 @@ class Cursor(Protocol):
     def rowcount(self) -> int: ...
 
     def execute(self, sql: Any, params: Any = ..., /) -> Any: ...
+
+    def executemany(self, sql: Any, params_seq: Any, /) -> Any: ...
 
     def fetchall(self) -> Sequence[Any]: ...
 
@@ -61,6 +64,10 @@ class Dialect:
     arrays: bool = False
     # Execute planned for these values, never from a cached plan (joins over key lists).
     execute_fresh: Callable[[Cursor, str, Sequence[Any]], None] | None = None
+    # Writes of many rows run one prepared single-row statement per row (``executemany``):
+    # in process, that is cheaper than building and binding one multi-row statement, and
+    # a single-row write needs no statement journal to undo its earlier rows on an error.
+    row_at_a_time: bool = False
 
     def ddl(self, template: str) -> str:
         """A DDL template with the dialect's column types filled in."""
@@ -116,6 +123,10 @@ def ts_or_none(dialect: Dialect, value: Any) -> datetime | None:
     return None if value is None else dialect.ts_out(value)
 
 
+# One encoder for every call: ``json.dumps`` with options builds a new one each time.
+_encode_headers = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
+
+
 def dump_headers(headers: Mapping[str, str]) -> str:
     """Headers as compact JSON text; every key and value must be a string."""
     for name, value in headers.items():
@@ -123,7 +134,7 @@ def dump_headers(headers: Mapping[str, str]) -> str:
             raise StoreError(
                 f"headers must map str to str: {name!r} has {type(value).__name__} {value!r}"
             )
-    return json.dumps(dict(headers), separators=(",", ":"), sort_keys=True)
+    return _encode_headers(headers if type(headers) is dict else dict(headers))
 
 
 def load_headers(text: Any) -> dict[str, str]:
@@ -174,13 +185,16 @@ class Runner:
 
     def insert(self, target: str, rows: Sequence[Sequence[Any]]) -> None:
         """Insert ``rows`` into ``target`` (``"table (col, ...)"``): one COPY where the
-        driver has it (several times cheaper than binding every value), else multi-row
-        INSERTs."""
+        driver has it (several times cheaper than binding every value), else one prepared
+        INSERT per row (``row_at_a_time``) or multi-row INSERTs."""
         copy_in = self.dialect.copy_in
-        if copy_in is None:
-            self.each(f"INSERT INTO {target} VALUES {{rows}}", rows)
-            return
         if not rows:
+            return
+        if copy_in is None:
+            if self.dialect.row_at_a_time:
+                self.many(f"INSERT INTO {target} VALUES {in_clause(len(rows[0]))}", rows)
+            else:
+                self.each(f"INSERT INTO {target} VALUES {{rows}}", rows)
             return
         self._ensure_open()
         try:
@@ -217,6 +231,20 @@ class Runner:
         chunks = self._chunks(sql, rows, fixed)
         return sum(self.count(text, params, fresh=fresh) for text, params in chunks)
 
+    def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
+        """Execute the single-row statement ``sql`` once for every row, prepared once; how
+        many rows it changed in all. ``rows`` is consumed in order, one row at a time."""
+        self._ensure_open()
+        try:
+            self._cursor.executemany(self.dialect.sql(sql), rows)
+        except self.dialect.driver_errors as exc:
+            self.failed = True
+            raise self.dialect.to_store_error(exc) from exc
+        except _UNBINDABLE as exc:
+            self.failed = True
+            raise StoreError(f"{self.dialect.name} store: {one_line(exc)}", kind="invalid") from exc
+        return max(self._cursor.rowcount, 0)
+
     def _chunks(
         self, sql: str, rows: Sequence[Sequence[Any]], fixed: Sequence[Any]
     ) -> Iterator[tuple[str, list[Any]]]:
@@ -235,7 +263,7 @@ class Runner:
         per = max(1, min(_MAX_ROWS, (self.dialect.max_params - len(fixed)) // width))
         for start in range(0, len(rows), per):
             chunk = rows[start : start + per]
-            params = [*fixed, *(value for row in chunk for value in row)]
+            params = [*fixed, *chain.from_iterable(chunk)]
             yield sql.replace("{rows}", ", ".join([group] * len(chunk))), params
 
     def _ensure_open(self) -> None:

@@ -10,6 +10,7 @@ from meshforge.errors import StoreError
 from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store.base import InboxRecord, InboxStatus, NewEvent, OutboxMessage, StoredOutput
 from meshforge.store.batch import BatchMethods
+from meshforge.store.packing import pack_outputs, unpack_outputs
 from meshforge.store.sql import (
     Dialect,
     Runner,
@@ -138,17 +139,11 @@ class SqlTransaction(BatchMethods):
         self, consumer: str, key: str, *, scope: Scope = DEFAULT_SCOPE
     ) -> list[StoredOutput] | None:
         rows = self._run.rows(
-            "SELECT o.position, o.subject, o.msg_id, o.data, o.headers"
-            " FROM meshforge_effects e LEFT JOIN meshforge_effect_outputs o"
-            " ON o.tenant = e.tenant AND o.namespace = e.namespace"
-            " AND o.consumer = e.consumer AND o.key = e.key"
-            " WHERE e.tenant = ? AND e.namespace = ? AND e.consumer = ? AND e.key = ?"
-            " ORDER BY o.position",
+            "SELECT outputs FROM meshforge_effects"
+            " WHERE tenant = ? AND namespace = ? AND consumer = ? AND key = ?",
             (scope.tenant, scope.namespace, consumer, key),
         )
-        if not rows:
-            return None
-        return [output_of(row) for row in rows if row[0] is not None]
+        return unpack_outputs(rows[0][0]) if rows else None
 
     @spoils
     def effect_put(
@@ -164,8 +159,8 @@ class SqlTransaction(BatchMethods):
         try:
             self._run.rows(
                 "INSERT INTO meshforge_effects (tenant, namespace, consumer, key, command_id,"
-                " created_at) VALUES (?, ?, ?, ?, ?, ?)",
-                (t, ns, consumer, key, command_id, self._now),
+                " created_at, outputs) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (t, ns, consumer, key, command_id, self._now, pack_outputs(outputs)),
             )
         except StoreError as exc:
             if exc.kind != "duplicate":
@@ -175,15 +170,6 @@ class SqlTransaction(BatchMethods):
                 " storing it again would double the effect",
                 kind="duplicate",
             ) from exc
-        self._insert_many(
-            "meshforge_effect_outputs (tenant, namespace, consumer, key, position, subject,"
-            " msg_id, data, headers)",
-            [
-                (t, ns, consumer, key, o.position, o.subject, o.msg_id, bytes(o.data),
-                 dump_headers(o.headers))
-                for o in outputs
-            ],
-        )  # fmt: skip
 
     @spoils
     def effect_mark_published(
@@ -331,13 +317,3 @@ class SqlTransaction(BatchMethods):
                 f"no {what} row for consumer {consumer!r} key {key!r}", kind="not_found"
             )
 
-
-def output_of(row: Sequence[Any]) -> StoredOutput:
-    """A (position, subject, msg_id, data, headers) row as a ``StoredOutput``."""
-    return StoredOutput(
-        position=int(row[0]),
-        subject=row[1],
-        msg_id=row[2],
-        data=bytes(row[3]),
-        headers=load_headers(row[4]),
-    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +159,73 @@ def test_schema_1_rows_move_to_the_tenant_their_subjects_name(
         with store.transaction() as tx:
             event = replace(as_read("e1", A), event_id="e5")
             assert tx.events_append("order", [event], scope=A) == [3]
+
+
+# Schema 2 rows for schema 3: effects and their outputs in a table of their own.
+V2_OUTPUTS = {
+    (A, "c", "k-1"): [(1, b"\x00\xff second", {"Nats-Msg-Id": "m-1"}), (0, b"first", {})],
+    (B, "c", "k-1"): [(0, b"other tenant", {"Tenant-Id": "tenantB"})],
+    (A, "c", "k-2"): [],
+    (DEFAULT_SCOPE, "d", "k-3"): [(p, b"x" * p, {"n": str(p)}) for p in range(3)],
+}
+
+
+def make_schema_2_store(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with monkeypatch.context() as patch:
+        patch.setattr(schema_module, "MIGRATIONS", schema_module.MIGRATIONS[:2])
+        patch.setattr(schema_module, "LATEST", 2)
+        with open_store(url) as store, store.transaction() as tx:
+            stamp = TS if store.dialect == "sqlite" else "2026-01-01T12:00:00Z"
+            for (scope, consumer, key), outputs in V2_OUTPUTS.items():
+                tx.execute(
+                    "INSERT INTO meshforge_effects (tenant, namespace, consumer, key, command_id,"
+                    " created_at, published_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (scope.tenant, scope.namespace, consumer, key, f"cmd-{key}", stamp,
+                     stamp if consumer == "c" else None),
+                )  # fmt: skip
+                for position, data, headers in outputs:
+                    tx.execute(
+                        "INSERT INTO meshforge_effect_outputs (tenant, namespace, consumer, key,"
+                        " position, subject, msg_id, data, headers) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (scope.tenant, scope.namespace, consumer, key, position, f"evt.{key}.{position}",
+                         f"{key}-{position}", data, json.dumps(headers)),
+                    )  # fmt: skip
+
+
+def test_schema_2_outputs_move_into_their_effects_rows(fresh_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshforge.store import StoredOutput, packing
+
+    make_schema_2_store(fresh_url, monkeypatch)
+    monkeypatch.setattr(packing, "_PAGE", 2)  # an effect's outputs span pages of the move
+    expected = {
+        (scope, consumer, key): [
+            StoredOutput(p, f"evt.{key}.{p}", f"{key}-{p}", data, headers) for p, data, headers in sorted(outputs)
+        ]
+        for (scope, consumer, key), outputs in V2_OUTPUTS.items()
+    }
+    with open_store(fresh_url) as store:
+        read = {(r.scope, r.consumer, r.key): list(r.outputs) for r in store.effects_read()}
+        assert read == expected
+        published = {r.key: r.published_at is not None for r in store.effects_read("c")}
+        assert published == {"k-1": True, "k-2": True}
+        with store.transaction() as tx:
+            assert tx.effect_get("c", "k-1", scope=A) == expected[(A, "c", "k-1")]
+            assert tx.effect_get("c", "k-2", scope=A) == []
+            assert tx.effect_get("c", "k-9", scope=A) is None
+            got = tx.effects_get("d", [(DEFAULT_SCOPE, "k-3"), (DEFAULT_SCOPE, "k-4")])
+            assert got == {(DEFAULT_SCOPE, "k-3"): expected[(DEFAULT_SCOPE, "d", "k-3")], (DEFAULT_SCOPE, "k-4"): None}
+            tables = (
+                "SELECT name FROM sqlite_master WHERE type = 'table'"
+                if store.dialect == "sqlite"
+                else "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+            )
+            names = {r[0] for r in tx.execute(tables)}
+            assert "meshforge_effect_outputs" not in names
+            versions = tx.execute("SELECT version FROM meshforge_schema_version ORDER BY version")
+        assert versions == [(1,), (2,), (3,)]
+        # New effects are stored the new way beside the moved ones; retention takes both.
+        with store.transaction() as tx:
+            tx.effect_put("c", "k-5", "cmd-5", [StoredOutput(0, "evt.k-5", "m-5", b"new", {"a": "b"})], scope=A)
+        assert [o.data for r in store.effects_read("c") if r.key == "k-5" for o in r.outputs] == [b"new"]
+        assert store.effects_cleanup(datetime(2026, 6, 1, tzinfo=UTC)) == 4
+        assert [r.key for r in store.effects_read()] == ["k-5"]

@@ -30,8 +30,7 @@ def handled(store: Store, key: str, *, done: bool = True) -> None:
 
 
 def outputs_left(store: Store) -> int:
-    with store.transaction() as tx:
-        return int(tx.execute("SELECT count(*) FROM meshforge_effect_outputs")[0][0])
+    return sum(len(e.outputs) for e in store.effects_read())
 
 
 def run_once(store: Store, effect: float, inbox: float) -> None:

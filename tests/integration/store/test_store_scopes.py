@@ -99,4 +99,4 @@ def test_effects_cleanup_removes_every_scope(store: Store, clock: object) -> Non
     assert store.effects_cleanup(clock.now) == 2  # type: ignore[attr-defined]
     assert list(store.effects_read()) == []
     with store.transaction() as tx:
-        assert tx.execute("SELECT count(*) FROM meshforge_effect_outputs") == [(0,)]
+        assert tx.execute("SELECT count(*) FROM meshforge_effects") == [(0,)]
