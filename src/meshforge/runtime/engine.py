@@ -113,9 +113,12 @@ class Engine(Generic[S]):
         #: Most commands one transaction takes from the batches waiting for it: under a
         #: backlog several fetches share a commit (fewer syncs, fewer pages written again).
         self.max_batch = _GROUP_BATCHES * self.settings.batch_size
-        #: Messages a consumer feeding this engine should hold: a group committing, one
-        #: publishing, and fetches waiting for the next.
-        self.max_held = self.max_batch + 2 * self.settings.batch_size
+        #: What a consumer feeding this engine should fetch at most at once, and hold: a
+        #: group publishing, one committing and the next one waiting, so the store thread
+        #: finds a whole group ready when it finishes one. (A fetch returns at once with
+        #: what there is: under a light load, groups stay small.)
+        self.fetch_size = self.max_batch
+        self.max_held = 3 * self.max_batch
         self._commands = agent.commands()
         # Plain-function handlers behind the stock Agent.handle run without awaiting anything.
         stock = type(agent).handle is Agent.handle

@@ -120,7 +120,7 @@ class _Partitions:
         consumer = Consumer(
             self.conn, self.specs[slot], batch_handler=self.engine.handle, settings=self.settings,
             metrics=self.metrics, publisher=self.publisher, provision=False,
-            max_held=self.engine.max_held,
+            batch_size=self.engine.fetch_size, max_held=self.engine.max_held,
         )  # fmt: skip
         self.consumers[slot] = consumer
         self.tasks[slot] = asyncio.create_task(self._run(slot, consumer, clean))
@@ -332,7 +332,7 @@ class Worker:
                 consumer = Consumer(
                     conn, spec, batch_handler=engine.handle, settings=settings,
                     metrics=self.metrics, publisher=publisher, provision=False,
-                    max_held=engine.max_held,
+                    batch_size=engine.fetch_size, max_held=engine.max_held,
                 )  # fmt: skip
             self._consumers.append(consumer)
         probes = Probes(conn.js, self.metrics, [(s.stream, s.durable) for s in consumed], store=self._store)
