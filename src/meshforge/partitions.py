@@ -205,14 +205,18 @@ class Leases:
 
     async def run(self, first_round: asyncio.Event | None = None) -> None:
         """Run rounds until cancelled (a failed round is logged and tried again next period)."""
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             try:
                 await self.step()
             except Exception as exc:  # the server may be away: keep what renews, retry
                 log.warning("%s: partition ownership round failed: %s", self.group, one_line(exc))
             if first_round is not None:
                 first_round.set()
-            await asyncio.sleep(self.period)
+            # A round every period from the start of the last: a slow round (a busy worker)
+            # must not push the next renewal towards the end of the lease.
+            await asyncio.sleep(max(self.period / 4, self.period - (loop.time() - started)))
 
     async def step(self) -> None:
         """Register, renew, then hand back what is above the fair share or claim up to it."""
