@@ -126,10 +126,12 @@ class _Partitions:
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def start(self, slot: str, clean: bool) -> None:
-        load = [0] * len(self.engines)
-        for lane in self.lanes.values():
-            load[lane] += 1
-        lane = self.lanes[slot] = load.index(min(load))
+        lane = self.lanes.get(slot)
+        if lane is None:  # else still stopping there: the same lane keeps its order
+            load = [0] * len(self.engines)
+            for taken in self.lanes.values():
+                load[taken] += 1
+            lane = self.lanes[slot] = load.index(min(load))
         consumer = Consumer(
             self.conn, self.specs[slot], batch_handler=self.engines[lane].handle, settings=self.settings,
             metrics=self.metrics, publisher=self.publisher, provision=False,
@@ -162,7 +164,6 @@ class _Partitions:
 
     async def stop(self, slot: str) -> None:
         consumer, task = self.consumers.pop(slot, None), self.tasks.pop(slot, None)
-        self.lanes.pop(slot, None)
         if consumer is None or task is None:
             return
         if consumer.ready.is_set() or task.done():
@@ -171,6 +172,8 @@ class _Partitions:
             task.cancel()  # still waiting to start: nothing in flight
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if slot not in self.consumers:  # not started again meanwhile
+            self.lanes.pop(slot, None)
 
 
 class Worker:
