@@ -205,19 +205,23 @@ class Leases:
 
     async def run(self, first_round: asyncio.Event | None = None) -> None:
         """Run rounds until cancelled (a failed round is logged and tried again next period)."""
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             try:
                 await self.step()
             except Exception as exc:  # the server may be away: keep what renews, retry
                 log.warning("%s: partition ownership round failed: %s", self.group, one_line(exc))
             if first_round is not None:
                 first_round.set()
-            await asyncio.sleep(self.period)
+            # A round every period from the start of the last: a slow round (a busy worker)
+            # must not push the next renewal towards the end of the lease.
+            await asyncio.sleep(max(self.period / 4, self.period - (loop.time() - started)))
 
     async def step(self) -> None:
         """Register, renew, then hand back what is above the fair share or claim up to it."""
-        await self.kv.put(self._worker_key, self.worker.encode())
         await self._renew()
+        await self.kv.put(self._worker_key, self.worker.encode())
         await self._finish_handbacks()
         share = math.ceil(len(self.slots) / max(1, await self.live_workers()))
         kept = [s for s in self.slots if s in self.owned and s not in self._handing_back]
@@ -242,14 +246,22 @@ class Leases:
         return max(1, live)
 
     async def _renew(self) -> None:
-        for slot, revision in list(self.owned.items()):
-            try:
-                self.owned[slot] = await self.kv.update(self._lease_key(slot), self.worker.encode(), last=revision)
-            except Exception as exc:
-                # Someone may own it now: stop fetching at once.
-                log.warning("%s: lost %s (renewal failed: %s)", self.group, slot, one_line(exc))
-                del self.owned[slot]
-                self._drop(slot)
+        # All at once: one round trip for every lease, however many, and however slow each
+        # is while the worker is busy (one after the other, the last could expire first).
+        owned = list(self.owned.items())
+        renewals = [self.kv.update(self._lease_key(slot), self.worker.encode(), last=revision)
+                    for slot, revision in owned]  # fmt: skip
+        results = await asyncio.gather(*renewals, return_exceptions=True)
+        for (slot, _), result in zip(owned, results, strict=True):
+            if isinstance(result, int):
+                self.owned[slot] = result
+                continue
+            if not isinstance(result, Exception):
+                raise result
+            # Someone may own it now: stop fetching at once.
+            log.warning("%s: lost %s (renewal failed: %s)", self.group, slot, one_line(result))
+            del self.owned[slot]
+            self._drop(slot)
 
     def _drop(self, slot: str) -> None:
         task = self._handing_back.pop(slot, None) or asyncio.ensure_future(self._stop(slot))

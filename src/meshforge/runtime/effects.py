@@ -28,7 +28,8 @@ from meshforge.envelope import Envelope
 from meshforge.errors import StoreError
 from meshforge.runtime.agent import Agent, CommandSpec
 from meshforge.scope import Scope
-from meshforge.store.base import NewEffect, NewEvent, NewState, Store, StoredOutput, Transaction
+from meshforge.store.base import NewEffect, NewEvent, Store, StoredOutput, Transaction
+from meshforge.store.logtail import append_with_states
 
 __all__ = ["Conflict", "EffectStore", "Plan", "Work", "drive"]
 
@@ -148,19 +149,10 @@ class EffectStore:
         by_scope: dict[Scope, list[NewEvent]] = {}
         for w in fresh:
             by_scope.setdefault(w.scope, []).extend(w.events)
-        last: dict[tuple[Scope, str], int] = {}
-        for scope, events in sorted(by_scope.items()):
-            if not events:
-                continue
-            positions = tx.events_append(self.agent.name, events, scope=scope)
-            for event, position in zip(events, positions, strict=True):
-                last[(scope, event.resource_id or "")] = position
         encode = self.agent.encode_state
-        tx.states_put(
-            self.agent.name,
-            [NewState(resource, encode(plan.states[(scope, resource)]), position, scope)
-             for (scope, resource), position in last.items()],
-        )  # fmt: skip
+        for scope, events in sorted(by_scope.items()):
+            states = {r: encode(plan.states[(scope, r)]) for r in {e.resource_id or "" for e in events}}
+            append_with_states(tx, self.agent.name, scope, events, states)
 
     def mark_published(self, keys: list[tuple[Scope, str]]) -> None:
         """Note, in a transaction of its own, that these keys' outputs were published."""

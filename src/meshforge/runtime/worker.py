@@ -16,7 +16,7 @@ on the work-queue stream: provisioning refuses that, naming both consumers.
 With ``partitions = N`` (``MESHFORGE_PARTITIONS``) each agent's commands are split by
 resource over N durables plus one for unpartitioned subjects (``meshforge.partitions``);
 the workers share them out through leases, and each runs one consumer per partition it
-owns, all into the agent's one engine.
+owns, spread over ``LANES`` engines of the agent (each one transaction in flight).
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ __all__ = ["Worker", "import_from_cwd", "load_agent"]
 
 log = logging.getLogger("meshforge.worker")
 _AGENT_STREAMS = (STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED)
+# Engines per partitioned agent: the transactions one worker keeps in flight at once (while
+# one waits on the store, another runs its handlers), each partition in one of them.
+LANES = 2
 
 
 def import_from_cwd() -> None:
@@ -104,21 +107,33 @@ def _one_by_one(engine: Engine[Any]) -> Handler:
 
 
 class _Partitions:
-    """Runs the partition durables of one agent that this worker owns, into its one engine."""
+    """Runs the partition durables of one agent that this worker owns, over its engines.
+
+    Each engine (a lane) has one transaction in flight; a partition runs in the lane with
+    the fewest partitions when it starts, so its commands keep their order while the
+    lanes' transactions overlap.
+    """
 
     def __init__(
-        self, conn: Connection, specs: dict[str, ConsumerSpec], engine: Engine[Any],
+        self, conn: Connection, specs: dict[str, ConsumerSpec], engines: list[Engine[Any]],
         publisher: Publisher, settings: Settings, metrics: Metrics,
     ) -> None:  # fmt: skip
-        self.conn, self.specs, self.engine = conn, specs, engine
+        self.conn, self.specs, self.engines = conn, specs, engines
         self.publisher, self.settings, self.metrics = publisher, settings, metrics
+        self.lanes: dict[str, int] = {}
         self.consumers: dict[str, Consumer] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def start(self, slot: str, clean: bool) -> None:
+        lane = self.lanes.get(slot)
+        if lane is None:  # else still stopping there: the same lane keeps its order
+            load = [0] * len(self.engines)
+            for taken in self.lanes.values():
+                load[taken] += 1
+            lane = self.lanes[slot] = load.index(min(load))
         consumer = Consumer(
-            self.conn, self.specs[slot], batch_handler=self.engine.handle, settings=self.settings,
+            self.conn, self.specs[slot], batch_handler=self.engines[lane].handle, settings=self.settings,
             metrics=self.metrics, publisher=self.publisher, provision=False,
             batch_size=self.engine.fetch_size, max_held=self.engine.max_held,
         )  # fmt: skip
@@ -158,6 +173,8 @@ class _Partitions:
             task.cancel()  # still waiting to start: nothing in flight
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if slot not in self.consumers:  # not started again meanwhile
+            self.lanes.pop(slot, None)
 
 
 class Worker:
@@ -314,7 +331,12 @@ class Worker:
             self._engines.append(engine)
             if kv is not None:
                 group = parted[index]
-                part = _Partitions(conn, group, engine, publisher, settings, self.metrics)
+                lanes = [engine] + [
+                    Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
+                    for _ in range(min(LANES, len(group)) - 1)
+                ]
+                self._engines += lanes[1:]
+                part = _Partitions(conn, group, lanes, publisher, settings, self.metrics)
                 self._partitions.append(part)
                 # Every durable of the group shares the unpartitioned one's stem.
                 stem = group["u"].durable.removesuffix("_unpartitioned")

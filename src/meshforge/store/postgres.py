@@ -18,18 +18,21 @@ Example::
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 from typing import Any, cast
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from meshforge.errors import StoreError, one_line
+from meshforge.scope import DEFAULT_SCOPE, Scope
+from meshforge.store.base import NewEvent, Transaction
 from meshforge.store.core import Clock, SqlStore
 from meshforge.store.schema import migrate
 from meshforge.store.sql import (
@@ -38,9 +41,11 @@ from meshforge.store.sql import (
     Runner,
     qmark_to_format,
     redact,
+    spoils,
     url_error,
     utc,
 )
+from meshforge.store.transaction import SqlTransaction
 
 SCHEMES = ("postgresql://", "postgres://")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -113,6 +118,107 @@ DIALECT = Dialect(
 )
 
 
+# The log's head moves, the events go in and the states are stored in one statement: the
+# head row, which every writer of the (scope, agent) log waits for until COMMIT, is taken
+# by the statement that also does everything else under it.
+_HEAD = """
+WITH head AS (
+    INSERT INTO meshforge_agent_heads (tenant, namespace, agent, position) VALUES (?, ?, ?, ?)
+    ON CONFLICT (tenant, namespace, agent) DO UPDATE
+    SET position = meshforge_agent_heads.position + excluded.position
+    RETURNING position
+), appended AS (
+    INSERT INTO meshforge_events (tenant, namespace, agent, position, event_id, type,
+        resource_id, command_id, key, data, ts, stored_at)
+    SELECT ?, ?, ?, head.position - ? + u.n, u.event_id, u.type, u.resource_id, u.command_id,
+        u.key, u.data, u.ts, ?
+    FROM head, unnest(?::text[], ?::text[], ?::text[], ?::text[], ?::text[], ?::bytea[],
+        ?::text[]) WITH ORDINALITY AS u(event_id, type, resource_id, command_id, key, data, ts, n)
+)"""
+_APPEND = _HEAD + " SELECT position FROM head"
+_APPEND_WITH_STATES = (
+    _HEAD
+    + """, stored AS (
+    INSERT INTO meshforge_states (tenant, namespace, agent, resource_id, data, position,
+        updated_at)
+    SELECT ?, ?, ?, s.r, s.d, head.position - ? + s.i, ?
+    FROM head, unnest(?::text[], ?::bytea[], ?::bigint[]) AS s(r, d, i)
+    ON CONFLICT (tenant, namespace, agent, resource_id) DO UPDATE
+    SET data = excluded.data, position = excluded.position, updated_at = excluded.updated_at
+) SELECT position FROM head"""
+)
+
+
+def _append_params(
+    agent: str, scope: Scope, events: Sequence[NewEvent], now: Any
+) -> tuple[Any, ...]:
+    t, ns, count = scope.tenant, scope.namespace, len(events)
+    return (
+        t, ns, agent, count, t, ns, agent, count, now,
+        [e.event_id for e in events], [e.type for e in events],
+        [e.resource_id for e in events], [e.command_id for e in events],
+        [e.key for e in events], [bytes(e.data) for e in events], [e.ts for e in events],
+    )  # fmt: skip
+
+
+class _Sealed(Runner):
+    """The runner of a transaction whose log tail went out with the COMMIT."""
+
+    def _ensure_open(self) -> None:
+        raise StoreError(
+            "postgresql store: the event log was appended with the commit;"
+            " nothing but further appends may follow it in the transaction"
+        )
+
+
+class PostgresTransaction(SqlTransaction):
+    """The store's transaction on PostgreSQL: the event log's tail goes out with the COMMIT
+    (``meshforge.store.logtail``); ``tail`` switches the connection to pipeline mode until
+    the transaction ends."""
+
+    def __init__(
+        self, run: Runner, now: datetime, cursor: psycopg.Cursor[Any], tail: Callable[[], object]
+    ) -> None:
+        super().__init__(run, now)
+        self._cursor = cursor
+        self._tail = tail
+
+    @spoils
+    def events_append(
+        self, agent: str, events: Sequence[NewEvent], *, scope: Scope = DEFAULT_SCOPE
+    ) -> list[int]:
+        if not events:
+            return []
+        head = self._run.rows(_APPEND, _append_params(agent, scope, events, self._now))
+        first = int(head[0][0]) - len(events) + 1
+        return list(range(first, first + len(events)))
+
+    @spoils
+    def append_log(
+        self, agent: str, scope: Scope, events: Sequence[NewEvent],
+        states: Sequence[tuple[str, bytes, int]],
+    ) -> None:  # fmt: skip
+        if not events:
+            return
+        if not isinstance(self._run, _Sealed):
+            self._run._ensure_open()
+            # Sent, not waited for: its result (or error) is read with the COMMIT's.
+            self._tail()
+            self._run = _Sealed(DIALECT, self._cursor)
+        count = len(events)
+        params = (
+            *_append_params(agent, scope, events, self._now),
+            scope.tenant, scope.namespace, agent, count, self._now,
+            [r for r, _, _ in states], [bytes(d) for _, d, _ in states], [i + 1 for _, _, i in states],
+        )  # fmt: skip
+        try:
+            self._cursor.execute(DIALECT.sql(_APPEND_WITH_STATES), params)
+        except psycopg.Error as exc:
+            raise _to_store_error(exc) from exc
+        except (UnicodeError, OverflowError) as exc:  # a value the driver cannot even send
+            raise StoreError(f"postgresql store: {one_line(exc)}", kind="invalid") from exc
+
+
 def parse_url(url: str) -> tuple[str, str | None, int]:
     """``(libpq conninfo, schema, pool_size)`` from a ``postgresql://`` URL."""
     if not url.startswith(SCHEMES):
@@ -149,6 +255,8 @@ def parse_url(url: str) -> tuple[str, str | None, int]:
 
 class PostgresStore(SqlStore):
     """The store in a PostgreSQL database (one schema of it)."""
+
+    transaction_type = PostgresTransaction
 
     def __init__(self, url: str, *, clock: Clock | None = None) -> None:
         super().__init__(url, DIALECT, clock)
@@ -192,6 +300,35 @@ class PostgresStore(SqlStore):
 
     def _safe_url(self) -> str:
         return redact(self.url)
+
+    @contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        pool = self._pool
+        if pool is None:
+            raise StoreError("postgresql store is closed", kind="closed")
+        try:
+            with pool.connection() as conn:
+                try:
+                    # Exits after the transaction block: a pipeline opened in it (the log's
+                    # tail) sends the COMMIT along, then reads every result.
+                    with ExitStack() as tail, conn.transaction(), conn.cursor() as cur:
+                        tx = PostgresTransaction(
+                            Runner(DIALECT, cur), self._clock(), cur,
+                            lambda: tail.enter_context(conn.pipeline()),
+                        )  # fmt: skip
+                        yield tx
+                        if tx.failed:
+                            raise StoreError(
+                                "postgresql store: transaction rolled back because a store"
+                                " error inside it was caught and ignored",
+                            )
+                except psycopg.Error:
+                    # A tail that failed leaves its transaction aborted, not committed.
+                    if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+                        conn.rollback()
+                    raise
+        except psycopg.Error as exc:
+            raise _to_store_error(exc) from exc
 
     @contextmanager
     def _session(self, *, write: bool) -> Iterator[Cursor]:
