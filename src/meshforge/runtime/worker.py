@@ -132,10 +132,11 @@ class _Partitions:
             for taken in self.lanes.values():
                 load[taken] += 1
             lane = self.lanes[slot] = load.index(min(load))
+        engine = self.engines[lane]
         consumer = Consumer(
-            self.conn, self.specs[slot], batch_handler=self.engines[lane].handle, settings=self.settings,
+            self.conn, self.specs[slot], batch_handler=engine.handle, settings=self.settings,
             metrics=self.metrics, publisher=self.publisher, provision=False,
-            batch_size=self.engine.fetch_size, max_held=self.engine.max_held,
+            batch_size=engine.fetch_size, max_held=engine.max_held,
         )  # fmt: skip
         self.consumers[slot] = consumer
         self.tasks[slot] = asyncio.create_task(self._run(slot, consumer, clean))
