@@ -8,6 +8,7 @@ consumes an iterator and memory stays bounded however large the tables grow.
 
 from __future__ import annotations
 
+import operator
 import random
 import time
 from abc import ABC, abstractmethod
@@ -15,6 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
+
+import msgspec
 
 from meshforge.errors import StoreError
 from meshforge.scope import DEFAULT_SCOPE, Scope
@@ -48,6 +51,18 @@ _EVENT_COLUMNS = (
     "event_id, type, resource_id, command_id, key, data, ts, agent, position, stored_at,"
     " tenant, namespace"
 )
+
+
+_HEADERS = msgspec.json.Decoder(dict[str, str])
+_first = operator.itemgetter(0)
+
+
+def _outbox_headers(text: Any) -> dict[str, str]:
+    """An outbox row's headers: the JSON object ``dump_headers`` wrote, read fast."""
+    try:
+        return _HEADERS.decode(text)
+    except (msgspec.DecodeError, TypeError):
+        return load_headers(text)  # written by other means: non-text values, empty
 
 
 def system_clock() -> datetime:
@@ -171,16 +186,13 @@ class SqlStore(ABC):
         )
         n = self._ts(now)
         rows = run.rows(sql, (relay_id, self._ts(until), n, limit, n, limit, n, limit, limit))
-        d = self._dialect
-        claimed = [
-            OutboxRow(
-                id=int(r[0]), msg_id=r[1], subject=r[2], data=bytes(r[3]),
-                headers=load_headers(r[4]), attempts=int(r[5]),
-                state=cast(OutboxState, r[6]), created_at=d.ts_out(r[7]),
-            )
+        rows.sort(key=_first)  # RETURNING's order is not promised
+        ts_out = self._dialect.ts_out
+        return [
+            OutboxRow(int(r[0]), r[1], r[2], bytes(r[3]), _outbox_headers(r[4]), int(r[5]),
+                      cast(OutboxState, r[6]), ts_out(r[7]))
             for r in rows
         ]  # fmt: skip
-        return sorted(claimed, key=lambda row: row.id)
 
     def _mark_sent(self, run: Runner, ids: Sequence[int], now: datetime) -> None:
         n = self._ts(now)
