@@ -159,9 +159,10 @@ class OutboxRelay:
     async def run(self) -> None:
         """Publish due rows until ``stop()``; idle with backoff (up to ``idle`` s) when none.
 
-        While one batch is published the next is claimed in the store thread, in the same
-        transaction that marks the batch before sent, so the store and the network work
-        side by side at one commit a batch; a claimed batch is always published, also when
+        While a full batch is published the next is claimed in the store thread, in the
+        same transaction that marks the batch before sent, so the store and the network
+        work side by side at one commit a batch; after a smaller batch the claim that
+        marks it comes right after it. A claimed batch is always published, also when
         ``stop()`` comes meanwhile.
         """
         if not self._done.is_set():
