@@ -193,3 +193,17 @@ def test_outbox_add_many_returns_ids_in_order_and_rolls_back(store: Store) -> No
         tx.outbox_add_many(messages[:3])
         raise RuntimeError("the caller's work failed")
     assert store.outbox_depth() == 250  # the three rolled back with it
+
+
+def test_outbox_add_many_ids_match_rows_across_statements(store: Store) -> None:
+    with store.transaction() as tx:
+        first = tx.outbox_add_many([OutboxMessage("gone", "evt.default.demo.a.b", b"{}", {})])
+        tx.execute("DELETE FROM meshforge_outbox")  # ids are never reused
+    messages = [OutboxMessage(f"m{i}", "evt.default.demo.a.b", b"{}", {}) for i in range(1200)]
+    with store.transaction() as tx:
+        ids = tx.outbox_add_many(messages)  # more rows than one statement carries
+    assert ids[0] > first[0] and ids == sorted(set(ids)) and len(ids) == 1200
+    claimed = store.outbox_claim("relay", 2000, lease_seconds=30)
+    assert [(r.id, r.msg_id) for r in claimed] == [
+        (i, m.msg_id) for i, m in zip(ids, messages, strict=True)
+    ]
