@@ -153,14 +153,21 @@ class SqlStore(ABC):
         if limit <= 0 and not mark_sent:
             return []
         now = self._clock()
-        with self._short() as run:
+        with self._relay_session() as cursor:
+            run = Runner(self._dialect, cursor)
             # One commit for both: a relay marks a batch sent as it claims the next.
             self._mark_sent(run, mark_sent, now)
             return self._claim(run, relay_id, limit, now + timedelta(seconds=lease_seconds), now)
 
     def outbox_mark_sent(self, ids: Sequence[int]) -> None:
-        with self._short() as run:
-            self._mark_sent(run, ids, self._clock())
+        with self._relay_session() as cursor:
+            self._mark_sent(Runner(self._dialect, cursor), ids, self._clock())
+
+    def _relay_session(self) -> AbstractContextManager[Cursor]:
+        """A write session for the relay's leases and sent marks. A backend may commit it
+        without waiting for the disk: if a power cut loses one, the rows are published
+        again after their lease and the server's duplicate window drops the copies."""
+        return self._session(write=True)
 
     def _claim(
         self, run: Runner, relay_id: str, limit: int, until: datetime, now: datetime

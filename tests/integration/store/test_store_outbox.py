@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from meshforge.errors import StoreError
-from meshforge.store import NewEvent, OutboxMessage, Store, StoredOutput
+from meshforge.store import NewEvent, OutboxMessage, Store, StoredOutput, open_store
 
 if TYPE_CHECKING:
     from conftest import ManualClock
@@ -207,3 +208,16 @@ def test_outbox_add_many_ids_match_rows_across_statements(store: Store) -> None:
     assert [(r.id, r.msg_id) for r in claimed] == [
         (i, m.msg_id) for i, m in zip(ids, messages, strict=True)
     ]
+
+
+def test_sqlite_relay_commits_leave_the_application_s_commits_full(tmp_path: Path) -> None:
+    store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        with store.transaction() as tx:
+            ids = tx.outbox_add_many([OutboxMessage("m", "evt.default.demo.a.b", b"{}", {})])
+        assert [r.id for r in store.outbox_claim("relay", 10, lease_seconds=30)] == ids
+        assert store.outbox_claim("relay", 10, lease_seconds=30, mark_sent=ids) == []
+        with store.transaction() as tx:  # 2 = FULL: only the relay's own commits are NORMAL
+            assert tx.execute("PRAGMA synchronous") == [(2,)]
+    finally:
+        store.close()
