@@ -157,7 +157,15 @@ class SqlStore(ABC):
             run = Runner(self._dialect, cursor)
             # One commit for both: a relay marks a batch sent as it claims the next.
             self._mark_sent(run, mark_sent, now)
-            return self._claim(run, relay_id, limit, now + timedelta(seconds=lease_seconds), now)
+            rows = self._claim(run, relay_id, limit, now + timedelta(seconds=lease_seconds), now)
+        # Read into objects after the commit: the lock is not held meanwhile.
+        rows.sort(key=_first)  # RETURNING's order is not promised
+        ts_out = self._dialect.ts_out
+        return [
+            OutboxRow(int(r[0]), r[1], r[2], bytes(r[3]), _outbox_headers(r[4]), int(r[5]),
+                      cast(OutboxState, r[6]), ts_out(r[7]))
+            for r in rows
+        ]  # fmt: skip
 
     def outbox_mark_sent(self, ids: Sequence[int]) -> None:
         with self._relay_session() as cursor:
@@ -171,7 +179,7 @@ class SqlStore(ABC):
 
     def _claim(
         self, run: Runner, relay_id: str, limit: int, until: datetime, now: datetime
-    ) -> list[OutboxRow]:
+    ) -> list[tuple[Any, ...]]:
         if limit <= 0:
             return []
         # One index range per kind of due row (the state index is ordered by id), so a
@@ -192,14 +200,7 @@ class SqlStore(ABC):
             f" RETURNING {_OUTBOX_COLUMNS}"
         )
         n = self._ts(now)
-        rows = run.rows(sql, (relay_id, self._ts(until), n, limit, n, limit, n, limit, limit))
-        rows.sort(key=_first)  # RETURNING's order is not promised
-        ts_out = self._dialect.ts_out
-        return [
-            OutboxRow(int(r[0]), r[1], r[2], bytes(r[3]), _outbox_headers(r[4]), int(r[5]),
-                      cast(OutboxState, r[6]), ts_out(r[7]))
-            for r in rows
-        ]  # fmt: skip
+        return run.rows(sql, (relay_id, self._ts(until), n, limit, n, limit, n, limit, limit))
 
     def _mark_sent(self, run: Runner, ids: Sequence[int], now: datetime) -> None:
         n = self._ts(now)
