@@ -11,7 +11,8 @@ its own fresh stream and waits for every PubAck, with the same number of PubAcks
   while an ``OutboxRelay`` publishes them, until every row is sent;
 - the outbox relay alone, on N rows enqueued beforehand.
 
-Floors (S0): ``publish_many`` >= 0.9x the baseline; the outbox relay >= 0.5x.
+Floors (S0): ``publish_many`` >= 0.9x the baseline; the outbox (enqueue + relay) >= 0.5x,
+with the relay alone shown beside it.
 
     python benchmarks/bench_publish.py [--n 20000] [--rounds 5] [--quick]
 """

@@ -77,8 +77,11 @@ def enqueue_many(tx: Transaction, messages: Iterable[tuple[str, Envelope]]) -> l
             enqueue_many(tx, [("evt.default.demo.order.created", env) for env in envs])
     """
     rows = []
+    checked: set[str] = set()
     for subject, envelope in messages:
-        validate_subject(subject)
+        if subject not in checked:
+            validate_subject(subject)
+            checked.add(subject)
         rows.append(OutboxMessage(envelope.id, subject, envelope.encode(), envelope.headers()))
     return tx.outbox_add_many(rows)
 
@@ -156,9 +159,10 @@ class OutboxRelay:
     async def run(self) -> None:
         """Publish due rows until ``stop()``; idle with backoff (up to ``idle`` s) when none.
 
-        While one batch is published the next is claimed in the store thread, in the same
-        transaction that marks the batch before sent, so the store and the network work
-        side by side at one commit a batch; a claimed batch is always published, also when
+        While a full batch is published the next is claimed in the store thread, in the
+        same transaction that marks the batch before sent, so the store and the network
+        work side by side at one commit a batch; after a smaller batch the claim that
+        marks it comes right after it. A claimed batch is always published, also when
         ``stop()`` comes meanwhile.
         """
         if not self._done.is_set():
@@ -166,20 +170,24 @@ class OutboxRelay:
         self._stopping.clear()
         self._done.clear()
         self.pause = pause = _IDLE_START
+        self._next_cleanup = time.monotonic()
         ahead: asyncio.Future[list[OutboxRow]] | None = None
         log.info("outbox relay %s started", self.relay_id)
         try:
             while not self._stopping.is_set() or ahead is not None:
                 self._wake.clear()  # a notify() from here on ends the coming pause
+                claiming, ahead = ahead if ahead is not None else self._claim(), None
                 try:
-                    rows = await (ahead if ahead is not None else self._claim())
-                    ahead = None
+                    rows = await claiming
                     self._claimed = len(rows)
-                    if len(rows) >= self.batch_size and not self._stopping.is_set():
-                        ahead = self._claim()  # more are probably due
-                    # With a batch coming, these rows are marked sent when it is claimed.
-                    await self._deliver(rows, defer=ahead is not None)
-                    await self._housekeeping()
+                    more = not self._stopping.is_set()
+                    if more and len(rows) >= self.batch_size:
+                        ahead = self._claim()  # more are probably due: claim them meanwhile
+                    # The rows sent are marked by the next claim, in its transaction.
+                    await self._deliver(rows, defer=more)
+                    if ahead is None and self._unmarked and not self._stopping.is_set():
+                        ahead = self._claim()
+                    await self._housekeeping(caught_up=ahead is None)
                 except StoreError as exc:
                     if exc.kind == "closed":
                         raise
@@ -309,13 +317,16 @@ class OutboxRelay:
                 err,
             )
 
-    async def _housekeeping(self) -> None:
+    async def _housekeeping(self, *, caught_up: bool = True) -> None:
         now = time.monotonic()
         if now >= self._next_depth:
             self._next_depth = now + _DEPTH_EVERY
             depth = await asyncio.to_thread(self.store.outbox_depth)
             self.metrics.outbox_depth.set(depth)
-        if now >= self._next_cleanup:
+        # A due cleanup waits until the relay has caught up (every row sent is marked by
+        # then), but never longer than another ``cleanup_every``.
+        due = self._next_cleanup
+        if now >= due and (caught_up or now >= due + self.cleanup_every):
             self._next_cleanup = now + self.cleanup_every
             await cleanup_once(f"outbox relay {self.relay_id}", self.store.outbox_cleanup, self.retention)
 

@@ -14,7 +14,7 @@ from nats.js import JetStreamContext
 
 from meshforge.config import Settings, load_settings
 from meshforge.envelope import H_MSG_ID, Envelope
-from meshforge.errors import InvalidSubject
+from meshforge.errors import InvalidSubject, StoreError
 from meshforge.observability import Metrics
 from meshforge.outbox import OutboxRelay, enqueue, enqueue_many
 from meshforge.publisher import Publisher
@@ -329,6 +329,35 @@ async def test_enqueue_many_rows_go_out_in_order_at_one_commit_a_batch(
     assert task.done() and task.exception() is None
     assert await read_ids(streams, subject) == [e.id for e in batch]
     assert await relay.depth() == 0
-    # Five full batches: each claim after the first marks the batch before it sent; one
-    # mark of its own for the last batch, not one per batch.
+    # Five full batches: each claim after the first marks the batch before it sent, the
+    # last one too (the claim that finds nothing more): no commit of its own per batch.
     assert counting.marks <= 2, (counting.claims, counting.marks)
+
+
+class FlakyStore(CountingStore):
+    """The store, with its second claim (one made ahead, during a publish) failing once."""
+
+    def outbox_claim(self, *args: object, **kwargs: object) -> object:
+        self.claims += 1
+        if self.claims == 2:
+            raise StoreError("sqlite store: database is locked", kind="busy", retriable=True)
+        return self._store.outbox_claim(*args, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_a_failed_claim_made_ahead_is_tried_again(
+    streams: JetStreamContext, store: Store, subject: str
+) -> None:
+    batch = envs(60)
+    with store.transaction() as tx:
+        enqueue_many(tx, [(subject, env) for env in batch])
+    flaky = FlakyStore(store)
+    relay = OutboxRelay(flaky, Publisher(streams, settings(), Metrics()), batch_size=20, idle=0.05)  # type: ignore[arg-type]
+    task = asyncio.create_task(relay.run())
+    try:
+        await until(lambda: relay.sent_total == len(batch), within=30)
+    finally:
+        await relay.stop(timeout=10)
+    assert task.done() and task.exception() is None
+    assert flaky.claims < 20, flaky.claims  # the failed one was not awaited over and over
+    assert await read_ids(streams, subject) == [e.id for e in batch]
+    assert await relay.depth() == 0

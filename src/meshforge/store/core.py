@@ -8,6 +8,7 @@ consumes an iterator and memory stays bounded however large the tables grow.
 
 from __future__ import annotations
 
+import operator
 import random
 import time
 from abc import ABC, abstractmethod
@@ -15,6 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
+
+import msgspec
 
 from meshforge.errors import StoreError
 from meshforge.scope import DEFAULT_SCOPE, Scope
@@ -48,6 +51,18 @@ _EVENT_COLUMNS = (
     "event_id, type, resource_id, command_id, key, data, ts, agent, position, stored_at,"
     " tenant, namespace"
 )
+
+
+_HEADERS = msgspec.json.Decoder(dict[str, str])
+_first = operator.itemgetter(0)
+
+
+def _outbox_headers(text: Any) -> dict[str, str]:
+    """An outbox row's headers: the JSON object ``dump_headers`` wrote, read fast."""
+    try:
+        return _HEADERS.decode(text)
+    except (msgspec.DecodeError, TypeError):
+        return load_headers(text)  # written by other means: non-text values, empty
 
 
 def system_clock() -> datetime:
@@ -138,18 +153,33 @@ class SqlStore(ABC):
         if limit <= 0 and not mark_sent:
             return []
         now = self._clock()
-        with self._short() as run:
+        with self._relay_session() as cursor:
+            run = Runner(self._dialect, cursor)
             # One commit for both: a relay marks a batch sent as it claims the next.
             self._mark_sent(run, mark_sent, now)
-            return self._claim(run, relay_id, limit, now + timedelta(seconds=lease_seconds), now)
+            rows = self._claim(run, relay_id, limit, now + timedelta(seconds=lease_seconds), now)
+        # Read into objects after the commit: the lock is not held meanwhile.
+        rows.sort(key=_first)  # RETURNING's order is not promised
+        ts_out = self._dialect.ts_out
+        return [
+            OutboxRow(int(r[0]), r[1], r[2], bytes(r[3]), _outbox_headers(r[4]), int(r[5]),
+                      cast(OutboxState, r[6]), ts_out(r[7]))
+            for r in rows
+        ]  # fmt: skip
 
     def outbox_mark_sent(self, ids: Sequence[int]) -> None:
-        with self._short() as run:
-            self._mark_sent(run, ids, self._clock())
+        with self._relay_session() as cursor:
+            self._mark_sent(Runner(self._dialect, cursor), ids, self._clock())
+
+    def _relay_session(self) -> AbstractContextManager[Cursor]:
+        """A write session for the relay's leases and sent marks. A backend may commit it
+        without waiting for the disk: if a power cut loses one, the rows are published
+        again after their lease and the server's duplicate window drops the copies."""
+        return self._session(write=True)
 
     def _claim(
         self, run: Runner, relay_id: str, limit: int, until: datetime, now: datetime
-    ) -> list[OutboxRow]:
+    ) -> list[tuple[Any, ...]]:
         if limit <= 0:
             return []
         # One index range per kind of due row (the state index is ordered by id), so a
@@ -170,17 +200,7 @@ class SqlStore(ABC):
             f" RETURNING {_OUTBOX_COLUMNS}"
         )
         n = self._ts(now)
-        rows = run.rows(sql, (relay_id, self._ts(until), n, limit, n, limit, n, limit, limit))
-        d = self._dialect
-        claimed = [
-            OutboxRow(
-                id=int(r[0]), msg_id=r[1], subject=r[2], data=bytes(r[3]),
-                headers=load_headers(r[4]), attempts=int(r[5]),
-                state=cast(OutboxState, r[6]), created_at=d.ts_out(r[7]),
-            )
-            for r in rows
-        ]  # fmt: skip
-        return sorted(claimed, key=lambda row: row.id)
+        return run.rows(sql, (relay_id, self._ts(until), n, limit, n, limit, n, limit, limit))
 
     def _mark_sent(self, run: Runner, ids: Sequence[int], now: datetime) -> None:
         n = self._ts(now)

@@ -6,6 +6,8 @@ Readers in WAL mode never block the writer.
 
 URL query options: ``busy_timeout`` (milliseconds, default 5000) and ``synchronous``
 (``full``, the default, survives power loss; ``normal`` survives a killed process only).
+The outbox relay's own commits (leases, sent marks) are ``normal`` in WAL mode: a power
+cut may undo the last of them, and those rows are published again (deduplicated).
 
 Example::
 
@@ -103,9 +105,11 @@ class SqliteStore(SqlStore):
                 path, isolation_level=None, check_same_thread=False, timeout=busy_ms / 1000
             )
             self._conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
-            if path != MEMORY:
-                self._conn.execute("PRAGMA journal_mode = WAL")
+            self._wal = path != MEMORY and (
+                self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0] == "wal"
+            )
             self._conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
+            self._synchronous = synchronous.upper()
             # A commit rewrites a page of each random-key index (effect keys, event ids,
             # states) per command; checkpoints every 4,000 WAL frames (16 MiB) copy a page
             # that several commits rewrote into the database once, not once per commit or
@@ -121,7 +125,14 @@ class SqliteStore(SqlStore):
             raise
 
     @contextmanager
-    def _session(self, *, write: bool) -> Iterator[Cursor]:
+    def _relay_session(self) -> Iterator[Cursor]:
+        # In WAL mode with synchronous=NORMAL the commit reaches the disk with the next
+        # FULL commit or checkpoint; the application's own transactions stay as set.
+        with self._session(write=True, synchronous="NORMAL" if self._wal else None) as cursor:
+            yield cursor
+
+    @contextmanager
+    def _session(self, *, write: bool, synchronous: str | None = None) -> Iterator[Cursor]:
         # Bounded wait: a transaction left open (or opened inside another) surfaces as a
         # retriable error instead of hanging every thread. Entering and leaving may happen
         # on different threads (asyncio.to_thread), so the lock is not tied to one.
@@ -132,10 +143,14 @@ class SqliteStore(SqlStore):
                 kind="busy",
                 retriable=True,
             )
+        relaxed = False  # this session's commit only: set back before the lock goes
         try:
             conn = self._conn
             if conn is None:
                 raise StoreError("sqlite store is closed", kind="closed")
+            if synchronous is not None and synchronous != self._synchronous:
+                conn.execute(f"PRAGMA synchronous = {synchronous}")
+                relaxed = True
             self._begin(conn, write)
             try:
                 yield conn.cursor()
@@ -148,6 +163,8 @@ class SqliteStore(SqlStore):
                 self._rollback(conn)
                 raise _to_store_error(exc) from exc
         finally:
+            if relaxed and self._conn is not None:
+                self._conn.execute(f"PRAGMA synchronous = {self._synchronous}")
             self._lock.release()
 
     @staticmethod

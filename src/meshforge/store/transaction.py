@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, cast
+
+import msgspec
 
 from meshforge.errors import StoreError
 from meshforge.scope import DEFAULT_SCOPE, Scope
@@ -26,6 +29,17 @@ INBOX_COLUMNS = (
     "deliveries, error, resource_type, resource_id, headers, received_at, processed_at, "
     "failed_at, created_at, updated_at, tenant, namespace"
 )
+
+_SORTED_JSON = msgspec.json.Encoder(order="sorted")
+
+
+def outbox_headers_text(headers: Mapping[str, str]) -> str:
+    """``dump_headers`` for the outbox's hot path: the same JSON object, written faster."""
+    if all(type(k) is str and type(v) is str for k, v in headers.items()):
+        with contextlib.suppress(UnicodeEncodeError):  # a lone surrogate: escaped below
+            return _SORTED_JSON.encode(headers).decode()
+    return dump_headers(headers)
+
 
 _INBOX_BEGIN = f"""
 INSERT INTO meshforge_inbox (tenant, namespace, key, consumer, message_id, type, subject,
@@ -255,12 +269,20 @@ class SqlTransaction(BatchMethods):
 
     @spoils
     def outbox_add_many(self, messages: Sequence[OutboxMessage]) -> list[int]:
-        ids = self._run.each(
+        now = self._now
+        rows = [(m.msg_id, m.subject, bytes(m.data), outbox_headers_text(m.headers), "pending", 0,
+                 now, now) for m in messages]  # fmt: skip
+        sql = (
             "INSERT INTO meshforge_outbox (msg_id, subject, data, headers, state, attempts,"
-            " created_at, updated_at) VALUES {rows} RETURNING id",
-            [(m.msg_id, m.subject, bytes(m.data), dump_headers(m.headers), "pending", 0,
-              self._now, self._now) for m in messages],
-        )  # fmt: skip
+            " created_at, updated_at) VALUES {rows}"
+        )
+        if self._run.dialect.name == "sqlite":
+            # No RETURNING: sqlite3 steps, letting go of the GIL, once per returned row.
+            # Under the write lock each AUTOINCREMENT id is the one before plus one.
+            added = self._run.each_count(sql, rows)
+            last = int(self._run.rows("SELECT last_insert_rowid()")[0][0])
+            return list(range(last - added + 1, last + 1))
+        ids = self._run.each(sql + " RETURNING id", rows)
         # Ids rise in the order of the VALUES list; RETURNING's own order is not promised.
         return sorted(int(row[0]) for row in ids)
 

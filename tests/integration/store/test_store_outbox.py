@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from meshforge.errors import StoreError
-from meshforge.store import NewEvent, OutboxMessage, Store, StoredOutput
+from meshforge.store import NewEvent, OutboxMessage, Store, StoredOutput, open_store
 
 if TYPE_CHECKING:
     from conftest import ManualClock
@@ -193,3 +194,30 @@ def test_outbox_add_many_returns_ids_in_order_and_rolls_back(store: Store) -> No
         tx.outbox_add_many(messages[:3])
         raise RuntimeError("the caller's work failed")
     assert store.outbox_depth() == 250  # the three rolled back with it
+
+
+def test_outbox_add_many_ids_match_rows_across_statements(store: Store) -> None:
+    with store.transaction() as tx:
+        first = tx.outbox_add_many([OutboxMessage("gone", "evt.default.demo.a.b", b"{}", {})])
+        tx.execute("DELETE FROM meshforge_outbox")  # ids are never reused
+    messages = [OutboxMessage(f"m{i}", "evt.default.demo.a.b", b"{}", {}) for i in range(1200)]
+    with store.transaction() as tx:
+        ids = tx.outbox_add_many(messages)  # more rows than one statement carries
+    assert ids[0] > first[0] and ids == sorted(set(ids)) and len(ids) == 1200
+    claimed = store.outbox_claim("relay", 2000, lease_seconds=30)
+    assert [(r.id, r.msg_id) for r in claimed] == [
+        (i, m.msg_id) for i, m in zip(ids, messages, strict=True)
+    ]
+
+
+def test_sqlite_relay_commits_leave_the_application_s_commits_full(tmp_path: Path) -> None:
+    store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        with store.transaction() as tx:
+            ids = tx.outbox_add_many([OutboxMessage("m", "evt.default.demo.a.b", b"{}", {})])
+        assert [r.id for r in store.outbox_claim("relay", 10, lease_seconds=30)] == ids
+        assert store.outbox_claim("relay", 10, lease_seconds=30, mark_sent=ids) == []
+        with store.transaction() as tx:  # 2 = FULL: only the relay's own commits are NORMAL
+            assert tx.execute("PRAGMA synchronous") == [(2,)]
+    finally:
+        store.close()
