@@ -6,7 +6,10 @@ its own fresh stream and waits for every PubAck, with the same number of PubAcks
 
 - nats-py ``publish_async`` (its own pipelining, ``publish_async_max_pending=256``),
   then ``publish_async_completed()``: the baseline;
-- MeshForge ``Publisher.publish_many`` (retries, results, metrics);
+- MeshForge ``Publisher.publish_many`` (retries, results, metrics) on a MeshForge
+  connection (``meshforge.connection.connect``, as the worker and relay use; its lean
+  publish path), and the outbox variants on the same; ``publish_many`` on a plain nats-py
+  client (its ``publish_async``) is shown beside it;
 - the outbox: 100 rows enqueued per SQLite transaction (``enqueue_many``: one INSERT)
   while an ``OutboxRelay`` publishes them, until every row is sent;
 - the outbox relay alone, on N rows enqueued beforehand.
@@ -36,6 +39,8 @@ from _common import BODY_SIZE, console, machine
 from _floors import floor
 from rich.table import Table
 
+from meshforge.config import load_settings
+from meshforge.connection import connect
 from meshforge.envelope import Envelope, Outbound
 from meshforge.observability import Metrics
 from meshforge.outbox import OutboxRelay, enqueue_many
@@ -46,10 +51,11 @@ from meshforge.store.base import Store
 
 PENDING = 256
 ROWS_PER_TX = 100
-VARIANTS = ("publish_async", "publish_many", "outbox", "relay")
+VARIANTS = ("publish_async", "publish_many", "publish_many_nats", "outbox", "relay")
 LABELS = {
     "publish_async": f"nats-py publish_async ({PENDING} pending)",
     "publish_many": f"MeshForge publish_many ({PENDING} in flight)",
+    "publish_many_nats": "the same on a plain nats-py client",
     "outbox": f"outbox: enqueue {ROWS_PER_TX}/transaction + relay",
     "relay": "outbox relay alone (rows enqueued before)",
 }
@@ -82,7 +88,7 @@ async def relay_all(relay: OutboxRelay, n: int, fill: Callable[[int], Awaitable[
 
 
 async def run_variant(
-    variant: str, js: JetStreamContext, async_js: JetStreamContext, subject: str, envs: list[Envelope], db: str
+    variant: str, mf_js: JetStreamContext, async_js: JetStreamContext, subject: str, envs: list[Envelope], db: str
 ) -> tuple[float, float]:
     """(wall seconds, this process's CPU seconds) of one variant publishing ``envs``."""
     items = [Outbound.of(subject, e) for e in envs]
@@ -97,10 +103,12 @@ async def run_variant(
         for f in futures:
             f.result()
     elif variant == "publish_many":
-        await Publisher(js, metrics=Metrics()).publish_many(items, max_in_flight=PENDING)
+        await Publisher(mf_js, metrics=Metrics()).publish_many(items, max_in_flight=PENDING)
+    elif variant == "publish_many_nats":
+        await Publisher(async_js, metrics=Metrics()).publish_many(items, max_in_flight=PENDING)
     else:
         assert store is not None
-        relay = OutboxRelay(store, Publisher(js, metrics=Metrics()), max_in_flight=PENDING, idle=0.05)
+        relay = OutboxRelay(store, Publisher(mf_js, metrics=Metrics()), max_in_flight=PENDING, idle=0.05)
 
         async def fill(start: int) -> None:
             await asyncio.to_thread(fill_outbox, store, subject, envs[start : start + ROWS_PER_TX])
@@ -113,7 +121,8 @@ async def run_variant(
 
 
 async def one_round(
-    js: JetStreamContext, async_js: JetStreamContext, n: int, r: int, tmp: Path, sync: str
+    js: JetStreamContext, mf_js: JetStreamContext, async_js: JetStreamContext, n: int, r: int, tmp: Path,
+    sync: str,
 ) -> dict[str, tuple[float, float]]:
     out: dict[str, tuple[float, float]] = {}
     for variant in VARIANTS:
@@ -121,7 +130,7 @@ async def one_round(
         subject = f"bench.{name}"
         await js.add_stream(name=name.upper(), subjects=[subject], duplicate_window=120)
         db = f"sqlite:///{tmp / name}.db?synchronous={sync}"
-        out[variant] = await run_variant(variant, js, async_js, subject, envelopes(n, name), db)
+        out[variant] = await run_variant(variant, mf_js, async_js, subject, envelopes(n, name), db)
         info = await js.stream_info(name.upper())
         assert info.state.messages == n, f"{name}: stored {info.state.messages} of {n}"
         await js.delete_stream(name.upper())
@@ -132,12 +141,14 @@ async def main(n: int, rounds: int, sync: str) -> None:
     runs: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
     async with EmbeddedServer() as server:
         nc = await nats.connect(server.url)
+        conn = await connect(load_settings({}, env={}), url=server.url)
         js = nc.jetstream()
         async_js = nc.jetstream(publish_async_max_pending=PENDING)
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(rounds):
-                for variant, figures in (await one_round(js, async_js, n, r, Path(tmp), sync)).items():
+                for variant, figures in (await one_round(js, conn.js, async_js, n, r, Path(tmp), sync)).items():
                     runs[variant].append(figures)
+        await conn.close()
         await nc.close()
     rate = {v: statistics.median(n / w for w, _ in runs[v]) for v in VARIANTS}
     cpu = {v: statistics.median(c / n * 1e6 for _, c in runs[v]) for v in VARIANTS}
