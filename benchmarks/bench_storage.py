@@ -13,7 +13,7 @@ redelivery span shortened to match). Every 4 seconds the store is measured by ta
 Floor (S7): bytes per command reported; the retained rows flat over time (once the
 retention has started deleting, the last quarter's peak within 15% of the first half's).
 
-    python benchmarks/bench_storage.py [--count 150000] [--quick]
+    python benchmarks/bench_storage.py [--count 600000] [--quick]
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ async def main(count: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--count", type=int, default=400_000)  # long enough to see retention delete
+    parser.add_argument("--count", type=int, default=600_000)  # long enough to see retention delete
     parser.add_argument("--quick", action="store_true", help="20,000 commands")
     args = parser.parse_args()
     asyncio.run(main(20_000 if args.quick else args.count))
