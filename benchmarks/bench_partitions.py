@@ -16,7 +16,7 @@ The CPU seconds of the workers, nats-server and the run's PostgreSQL backends co
 run prints the ceiling that the 2-worker run's CPU allows on this machine (floor S5: the
 ratio reaches 90% of it).
 
-    python benchmarks/bench_partitions.py [--count 20000] [--resources 1000] [--rounds 1] [--quick]
+    python benchmarks/bench_partitions.py [--count 60000] [--resources 1000] [--rounds 1] [--quick]
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def one_run(server: EmbeddedServer, workers: int, count: int, resources: int, ki
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--count", type=int, default=20_000)
+    parser.add_argument("--count", type=int, default=60_000)
     parser.add_argument("--resources", type=int, default=1_000)
     parser.add_argument("--store", choices=("postgres", "sqlite", "sqlite-per-worker"), default="postgres")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of 1, 2 and 4 workers; the median counts")
