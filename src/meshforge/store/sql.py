@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -196,15 +197,8 @@ class Runner:
             else:
                 self.each(f"INSERT INTO {target} VALUES {{rows}}", rows)
             return
-        self._ensure_open()
-        try:
+        with self._sending():
             copy_in(self._cursor, target, rows)
-        except self.dialect.driver_errors as exc:
-            self.failed = True
-            raise self.dialect.to_store_error(exc) from exc
-        except _UNBINDABLE as exc:
-            self.failed = True
-            raise StoreError(f"{self.dialect.name} store: {one_line(exc)}", kind="invalid") from exc
 
     def each(
         self, sql: str, rows: Sequence[Sequence[Any]], fixed: Sequence[Any] = ()
@@ -234,15 +228,8 @@ class Runner:
     def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
         """Execute the single-row statement ``sql`` once for every row, prepared once; how
         many rows it changed in all. ``rows`` is consumed in order, one row at a time."""
-        self._ensure_open()
-        try:
+        with self._sending():
             self._cursor.executemany(self.dialect.sql(sql), rows)
-        except self.dialect.driver_errors as exc:
-            self.failed = True
-            raise self.dialect.to_store_error(exc) from exc
-        except _UNBINDABLE as exc:
-            self.failed = True
-            raise StoreError(f"{self.dialect.name} store: {one_line(exc)}", kind="invalid") from exc
         return max(self._cursor.rowcount, 0)
 
     def _chunks(
@@ -274,12 +261,20 @@ class Runner:
             )
 
     def _start(self, sql: str, params: Sequence[Any], *, fresh: bool = False) -> Cursor:
-        self._ensure_open()
-        try:
+        with self._sending():
             if fresh and self.dialect.execute_fresh is not None:
                 self.dialect.execute_fresh(self._cursor, self.dialect.sql(sql), tuple(params))
             else:
                 self._cursor.execute(self.dialect.sql(sql), tuple(params))
+        return self._cursor
+
+    @contextmanager
+    def _sending(self) -> Iterator[None]:
+        """Around one call into the driver: a failed transaction refuses it, and a driver
+        error fails the transaction and becomes a ``StoreError``."""
+        self._ensure_open()
+        try:
+            yield
         except self.dialect.driver_errors as exc:
             self.failed = True
             raise self.dialect.to_store_error(exc) from exc
@@ -287,7 +282,6 @@ class Runner:
             # The driver could not even send the value (lone surrogate, huge integer).
             self.failed = True
             raise StoreError(f"{self.dialect.name} store: {one_line(exc)}", kind="invalid") from exc
-        return self._cursor
 
 
 class _HasRunner(Protocol):
