@@ -100,8 +100,12 @@ class Processor:
 
     def admit(self, msg: Msg) -> tuple[Delivery, Decision | None]:
         """A delivery, and a decision when it must not reach the handler."""
-        delivery = Delivery.of(msg, self.consumer)
         self._consumed.inc()
+        return self._admit(msg)
+
+    def _admit(self, msg: Msg) -> tuple[Delivery, Decision | None]:
+        """``admit`` but for the consumed count, which a batch adds up once."""
+        delivery = Delivery.of(msg, self.consumer)
         if delivery.num_delivered > 1:
             self._redelivered.inc()
         if self._decode:
@@ -157,8 +161,9 @@ class Processor:
         assert self._batch_handler is not None
         ready: list[Delivery] = []
         settled: list[tuple[Delivery, Decision]] = []
+        self._consumed.inc(len(msgs))
         for msg in msgs:
-            delivery, decision = self.admit(msg)
+            delivery, decision = self._admit(msg)
             if decision is None:
                 ready.append(delivery)
             else:
