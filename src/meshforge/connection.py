@@ -85,10 +85,15 @@ class _Client(NATS):
         of a publish call per message). Raises what ``Msg.ack`` would, before sending any."""
         for msg in msgs:
             msg._check_reply()
-        await self._send_command(b"".join(b"PUB %s 0\r\n\r\n" % msg.reply.encode() for msg in msgs))
+        await self.send_now(b"".join(b"PUB %s 0\r\n\r\n" % msg.reply.encode() for msg in msgs))
         for msg in msgs:
             msg._ackd = True
         self.stats["out_msgs"] += len(msgs)
+
+    async def send_now(self, commands: bytes) -> None:
+        """Queue protocol ``commands`` (already encoded) and have the flusher write them, as
+        nats-py's ``publish`` does for one message."""
+        await self._send_command(commands)
         if self._flush_queue is not None and self._flush_queue.empty():
             await self._flush_pending()
 

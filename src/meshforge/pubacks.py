@@ -115,7 +115,8 @@ class _Call:
 
 
 class PubAckPipe:
-    """Pipelined JetStream publishes on one nats-py client (see the module docstring)."""
+    """Pipelined JetStream publishes on one MeshForge client (``meshforge.connection``,
+    whose ``send_now`` writes and whose read loop calls ``on_reply``)."""
 
     def __init__(self, nc: Any) -> None:
         self._nc = nc
@@ -161,7 +162,7 @@ class PubAckPipe:
             except nats.errors.Error as exc:  # closed, draining: every message refused
                 return [exc] * len(items)
         call = _Call(len(items))
-        chunks: list[tuple[int, int, float]] = []  # (start, end, sent at)
+        chunks: list[tuple[float, list[bytes]]] = []  # (sent at, tokens), oldest first
         try:
             start = 0
             while start < len(items):
@@ -170,21 +171,26 @@ class PubAckPipe:
                     await self._wait(call, chunks, max_in_flight // 2, answer_within)
                     continue
                 end = min(len(items), start + room)
-                self._send(call, items, start, end)
-                chunks.append((start, end, time.monotonic()))
+                tokens, blob = self._encode(call, items, start, end)
+                chunks.append((time.monotonic(), tokens))
                 start = end
-                # Let the flusher write this window while the next one is built.
-                await self._flush()
+                if blob:  # the flusher writes this window while the next one is built
+                    await self._nc.send_now(blob)
             while call.open > 0:
                 await self._wait(call, chunks, 0, answer_within)
         finally:
             self._forget(call, chunks, None)
         return [a if a is not None else nats.errors.TimeoutError() for a in call.answers]
 
-    def _send(self, call: _Call, items: Sequence[Outbound], start: int, end: int) -> None:
+    def _encode(
+        self, call: _Call, items: Sequence[Outbound], start: int, end: int
+    ) -> tuple[list[bytes], bytes]:
+        """The reply tokens and the HPUB commands of items ``start`` to ``end``; an item
+        refused before sending gets its answer at once."""
         nc = self._nc
         refused = self._refused(nc)
         prefix = self._prefix
+        tokens: list[bytes] = []
         parts: list[bytes] = []
         size = 0
         for index in range(start, end):
@@ -204,16 +210,14 @@ class PubAckPipe:
                 head = f"HPUB {item.subject} ".encode() + prefix + token
                 parts.append(b"%s %d %d\r\n%s%s\r\n" % (head, len(hdr), len(hdr) + len(data), hdr, data))
                 size += len(data)
+                tokens.append(token)
                 self._open[token] = (call, index)
                 call.open += 1
             else:
                 call.answers[index] = refused
-        if parts:
-            blob = b"".join(parts)
-            nc.stats["out_msgs"] += len(parts)
-            nc.stats["out_bytes"] += size
-            nc._pending.append(blob)
-            nc._pending_data_size += len(blob)
+        nc.stats["out_msgs"] += len(parts)
+        nc.stats["out_bytes"] += size
+        return tokens, b"".join(parts)
 
     @staticmethod
     def _refused(nc: Any) -> BaseException | None:
@@ -228,21 +232,14 @@ class PubAckPipe:
             return nats.errors.OutboundBufferLimitError()
         return None
 
-    async def _flush(self) -> None:
-        nc = self._nc
-        if nc._max_pending_size > 0 and nc._pending_data_size > nc._max_pending_size:
-            await nc._flush_pending(force_flush=True)
-        elif nc._flush_queue is not None and nc._flush_queue.empty():
-            await nc._flush_pending()
-
     async def _wait(
-        self, call: _Call, chunks: list[tuple[int, int, float]], open_at_most: int, answer_within: float
+        self, call: _Call, chunks: list[tuple[float, list[bytes]]], open_at_most: int, answer_within: float
     ) -> None:
         """Until at most ``open_at_most`` answers are missing, or the oldest open message's
         time is up (its answers, and those of messages as old, become timeouts)."""
         if call.open <= open_at_most:
             return
-        oldest = next(sent for start, end, sent in chunks if None in call.answers[start:end])
+        oldest = next(sent for sent, tokens in chunks if any(t in self._open for t in tokens))
         call.wake_at = open_at_most
         call.waiter = asyncio.get_running_loop().create_future()
         try:
@@ -252,12 +249,12 @@ class PubAckPipe:
         finally:
             call.waiter = None
 
-    def _forget(self, call: _Call, chunks: list[tuple[int, int, float]], sent_before: float | None) -> None:
+    def _forget(self, call: _Call, chunks: list[tuple[float, list[bytes]]], sent_before: float | None) -> None:
         """Time out the open messages sent before ``sent_before`` (all when None)."""
-        timed_out = {start for start, end, sent in chunks if sent_before is None or sent <= sent_before}
-        if not call.open or not timed_out:
-            return
-        for token, (owner, index) in list(self._open.items()):
-            if owner is call and any(s <= index < e for s, e, _ in chunks if s in timed_out):
-                del self._open[token]
-                call.settle(index, nats.errors.TimeoutError())
+        for sent, tokens in chunks:
+            if not call.open or (sent_before is not None and sent > sent_before):
+                return
+            for token in tokens:
+                entry = self._open.pop(token, None)
+                if entry is not None:
+                    call.settle(entry[1], nats.errors.TimeoutError())
