@@ -116,30 +116,32 @@ class Acker:
         ``apply`` each. Never raises for a send failure (see ``apply``)."""
         if not deliveries:
             return
-        ack_many = getattr(deliveries[0].msg._client, "ack_many", None)
-        if self.ack_sync or ack_many is None:
-            for delivery in deliveries:
-                await self.apply(delivery, Decision.ack())
-            return
-        try:
-            await ack_many([d.msg for d in deliveries])
-        except Exception:  # one of them cannot be acked this way: each on its own
-            for delivery in deliveries:
-                await self.apply(delivery, Decision.ack())
-            return
-        self._acked.inc(len(deliveries))
-        now = time.time()
+        ack_many = None if self.ack_sync else getattr(deliveries[0].msg._client, "ack_many", None)
+        if ack_many is not None:
+            try:
+                await ack_many([d.msg for d in deliveries])
+            except Exception:  # one of them cannot be acked this way: each on its own
+                pass
+            else:
+                self._count_acked(deliveries)
+                for _ in deliveries:
+                    crash_point("after_ack")
+                return
         for delivery in deliveries:
-            self._e2e.observe(max(0.0, now - delivery.timestamp.timestamp()))
-            crash_point("after_ack")
+            await self.apply(delivery, Decision.ack())
 
     async def _ack(self, delivery: Delivery) -> None:
         if self.ack_sync:
             await delivery.msg.ack_sync(timeout=self.ack_timeout)
         else:
             await delivery.msg.ack()
-        self._acked.inc()
-        self._e2e.observe(max(0.0, time.time() - delivery.timestamp.timestamp()))
+        self._count_acked((delivery,))
+
+    def _count_acked(self, deliveries: Sequence[Delivery]) -> None:
+        self._acked.inc(len(deliveries))
+        now = time.time()
+        for delivery in deliveries:
+            self._e2e.observe(max(0.0, now - delivery.timestamp.timestamp()))
 
     async def _dead_letter(self, delivery: Delivery, decision: Decision) -> None:
         from meshforge.deadletter import dead_letter

@@ -140,19 +140,17 @@ class Delivery:
     def of(cls, msg: Msg, consumer: str = "") -> Delivery:
         """A delivery from a nats-py JetStream message (envelope not decoded yet)."""
         tokens = msg.reply.split(".") if msg.reply else []
-        if len(tokens) != 9 or tokens[0] != "$JS" or tokens[1] != "ACK":
-            meta = msg.metadata  # nats-py knows every form (domains); this one is rarer
-            return cls(
-                msg=msg, subject=msg.subject, data=msg.data, headers=dict(msg.headers or {}),
-                stream=meta.stream, seq=meta.sequence.stream, num_delivered=meta.num_delivered,
-                timestamp=meta.timestamp, consumer=consumer or meta.consumer,
-            )  # fmt: skip
-        # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>
+        if len(tokens) == 9 and tokens[0] == "$JS" and tokens[1] == "ACK":
+            # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>
+            stream, seq, delivered, named = tokens[2], int(tokens[5]), int(tokens[4]), tokens[3]
+            stamp = datetime.fromtimestamp(int(tokens[7]) / 1e9, UTC)
+        else:  # nats-py knows every form (domains); this one is rarer
+            meta = msg.metadata
+            stream, seq, delivered, named = meta.stream, meta.sequence.stream, meta.num_delivered, meta.consumer
+            stamp = meta.timestamp
         return cls(
             msg=msg, subject=msg.subject, data=msg.data, headers=dict(msg.headers or {}),
-            stream=tokens[2], seq=int(tokens[5]), num_delivered=int(tokens[4]),
-            timestamp=datetime.fromtimestamp(int(tokens[7]) / 1e9, UTC),
-            consumer=consumer or tokens[3],
+            stream=stream, seq=seq, num_delivered=delivered, timestamp=stamp, consumer=consumer or named,
         )  # fmt: skip
 
     @property
