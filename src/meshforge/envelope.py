@@ -52,8 +52,7 @@ H_CORRELATION = "Correlation-Id"
 
 # Ids derived from a cause are UUIDv5 in this namespace: the same cause and position
 # always give the same id, so a re-published output is the same message.
-_ID_NAMESPACE = uuid.UUID("6d657368-666f-7267-6500-000000000001")
-_ID_NAMESPACE_BYTES = _ID_NAMESPACE.bytes
+_ID_NAMESPACE = uuid.UUID("6d657368-666f-7267-6500-000000000001").bytes
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
 _JSON_ENCODER = msgspec.json.Encoder()
 _JSON_DECODER = msgspec.json.Decoder()
@@ -66,7 +65,7 @@ def now_ts() -> str:
 
 def derive_id(cause_id: str, position: int) -> str:
     """Deterministic id of the ``position``-th output caused by message ``cause_id``."""
-    return uuid5_str(_ID_NAMESPACE_BYTES, f"{cause_id}/{position}")
+    return uuid5_str(_ID_NAMESPACE, f"{cause_id}/{position}")
 
 
 def uuid5_str(namespace: bytes, name: str) -> str:
@@ -292,7 +291,7 @@ def decode(
             raise MalformedMessage(f"'{name}' is not an RFC 3339 timestamp: {value[:64]!r}")
 
     extra = {k: v for k, v in obj.items() if k not in _KNOWN}
-    env_id = obj.get("id") or h.get(H_MSG_ID) or str(uuid.uuid5(_ID_NAMESPACE, bytes(data).hex()))
+    env_id = obj.get("id") or h.get(H_MSG_ID) or uuid5_str(_ID_NAMESPACE, bytes(data).hex())
     trace = parse_traceparent(h.get(H_TRACEPARENT))
     return Envelope(
         id=env_id,

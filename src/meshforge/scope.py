@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 __all__ = ["DEFAULT_SCOPE", "Scope", "command_scope", "tenant_conflict"]
@@ -33,28 +34,20 @@ class Scope(NamedTuple):
         sixth its partition), else None."""
         if not subject:
             return None
-        try:
-            return _seen[subject]
-        except KeyError:
-            pass
-        tokens = subject.split(".")
-        if len(tokens) == 6 and tokens[0] == "cmd" and tokens[5].isascii() and tokens[5].isdigit():
-            tokens = tokens[:5]  # a partitioned command: same scope as unpartitioned
-        scope = None
-        if len(tokens) == 5 and tokens[0] in _SCOPED_PREFIXES and tokens[1] and tokens[2]:
-            scope = cls(tokens[1], tokens[2])
-        if len(_seen) >= _SEEN_MAX:
-            _seen.clear()
-        _seen[subject] = scope
-        return scope
+        return _scope_of(subject)
 
     def __str__(self) -> str:
         return f"{self.tenant}/{self.namespace}"
 
 
-# Subjects repeat (one per command type and partition): each is parsed once.
-_seen: dict[str, Scope | None] = {}
-_SEEN_MAX = 4096
+@functools.lru_cache(maxsize=4096)  # subjects repeat (one per command type and partition)
+def _scope_of(subject: str) -> Scope | None:
+    tokens = subject.split(".")
+    if len(tokens) == 6 and tokens[0] == "cmd" and tokens[5].isascii() and tokens[5].isdigit():
+        tokens = tokens[:5]  # a partitioned command: same scope as unpartitioned
+    if len(tokens) != 5 or tokens[0] not in _SCOPED_PREFIXES or not tokens[1] or not tokens[2]:
+        return None
+    return Scope(tokens[1], tokens[2])
 
 
 DEFAULT_SCOPE = Scope()
