@@ -16,6 +16,8 @@ from functools import lru_cache
 from itertools import chain
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
+import msgspec
+
 from meshforge.errors import ConfigError, StoreError, one_line
 
 _SQLITE_TS = "%Y-%m-%dT%H:%M:%S.%fZ"
@@ -126,16 +128,21 @@ def ts_or_none(dialect: Dialect, value: Any) -> datetime | None:
 
 # One encoder for every call: ``json.dumps`` with options builds a new one each time.
 _encode_headers = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
+_SORTED_JSON = msgspec.json.Encoder(order="sorted")
 
 
 def dump_headers(headers: Mapping[str, str]) -> str:
-    """Headers as compact JSON text; every key and value must be a string."""
+    """Headers as compact JSON text, names sorted; every key and value must be a string."""
     for name, value in headers.items():
         if not isinstance(name, str) or not isinstance(value, str):
             raise StoreError(
                 f"headers must map str to str: {name!r} has {type(value).__name__} {value!r}"
             )
-    return _encode_headers(headers if type(headers) is dict else dict(headers))
+    plain = headers if type(headers) is dict else dict(headers)
+    try:
+        return _SORTED_JSON.encode(plain).decode()
+    except UnicodeEncodeError:  # a lone surrogate: only the escaping encoder can write it
+        return _encode_headers(plain)
 
 
 def load_headers(text: Any) -> dict[str, str]:

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, cast
 
-import msgspec
-
 from meshforge.errors import StoreError
 from meshforge.scope import DEFAULT_SCOPE, Scope
-from meshforge.store.base import InboxRecord, InboxStatus, NewEvent, OutboxMessage, StoredOutput
+from meshforge.store.base import (
+    InboxRecord,
+    InboxStatus,
+    NewEffect,
+    NewEvent,
+    OutboxMessage,
+    StoredOutput,
+)
 from meshforge.store.batch import BatchMethods
-from meshforge.store.packing import pack_outputs, unpack_outputs
+from meshforge.store.packing import unpack_outputs
 from meshforge.store.sql import (
     Dialect,
     Runner,
@@ -29,17 +33,6 @@ INBOX_COLUMNS = (
     "deliveries, error, resource_type, resource_id, headers, received_at, processed_at, "
     "failed_at, created_at, updated_at, tenant, namespace"
 )
-
-_SORTED_JSON = msgspec.json.Encoder(order="sorted")
-
-
-def outbox_headers_text(headers: Mapping[str, str]) -> str:
-    """``dump_headers`` for the outbox's hot path: the same JSON object, written faster."""
-    if all(type(k) is str and type(v) is str for k, v in headers.items()):
-        with contextlib.suppress(UnicodeEncodeError):  # a lone surrogate: escaped below
-            return _SORTED_JSON.encode(headers).decode()
-    return dump_headers(headers)
-
 
 _INBOX_BEGIN = f"""
 INSERT INTO meshforge_inbox (tenant, namespace, key, consumer, message_id, type, subject,
@@ -169,21 +162,7 @@ class SqlTransaction(BatchMethods):
         *,
         scope: Scope = DEFAULT_SCOPE,
     ) -> None:
-        t, ns = scope.tenant, scope.namespace
-        try:
-            self._run.rows(
-                "INSERT INTO meshforge_effects (tenant, namespace, consumer, key, command_id,"
-                " created_at, outputs) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (t, ns, consumer, key, command_id, self._now, pack_outputs(outputs)),
-            )
-        except StoreError as exc:
-            if exc.kind != "duplicate":
-                raise
-            raise StoreError(
-                f"effect of consumer {consumer!r} key {key!r} in {scope} is already stored;"
-                " storing it again would double the effect",
-                kind="duplicate",
-            ) from exc
+        self.effects_put(consumer, [NewEffect(key, command_id, outputs, scope)])
 
     @spoils
     def effect_mark_published(
@@ -213,7 +192,7 @@ class SqlTransaction(BatchMethods):
         )
         first = int(head[0][0]) - len(events) + 1
         positions = list(range(first, first + len(events)))
-        self._insert_many(
+        self._run.insert(
             "meshforge_events (tenant, namespace, agent, position, event_id, type, resource_id,"
             " command_id, key, data, ts, stored_at)",
             [
@@ -270,7 +249,7 @@ class SqlTransaction(BatchMethods):
     @spoils
     def outbox_add_many(self, messages: Sequence[OutboxMessage]) -> list[int]:
         now = self._now
-        rows = [(m.msg_id, m.subject, bytes(m.data), outbox_headers_text(m.headers), "pending", 0,
+        rows = [(m.msg_id, m.subject, bytes(m.data), dump_headers(m.headers), "pending", 0,
                  now, now) for m in messages]  # fmt: skip
         sql = (
             "INSERT INTO meshforge_outbox (msg_id, subject, data, headers, state, attempts,"
@@ -328,9 +307,6 @@ class SqlTransaction(BatchMethods):
                 f"reply of node {site}.{node} to command {command_id!r} is already stored",
                 kind="duplicate",
             ) from exc
-
-    def _insert_many(self, target: str, rows: Sequence[tuple[Any, ...]]) -> None:
-        self._run.insert(target, rows)
 
     @staticmethod
     def _require(changed: int, what: str, consumer: str, key: str) -> None:
