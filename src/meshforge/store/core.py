@@ -17,8 +17,6 @@ from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
 
-import msgspec
-
 from meshforge.errors import StoreError
 from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store.base import (
@@ -53,16 +51,7 @@ _EVENT_COLUMNS = (
 )
 
 
-_HEADERS = msgspec.json.Decoder(dict[str, str])
 _first = operator.itemgetter(0)
-
-
-def _outbox_headers(text: Any) -> dict[str, str]:
-    """An outbox row's headers: the JSON object ``dump_headers`` wrote, read fast."""
-    try:
-        return _HEADERS.decode(text)
-    except (msgspec.DecodeError, TypeError):
-        return load_headers(text)  # written by other means: non-text values, empty
 
 
 def system_clock() -> datetime:
@@ -162,7 +151,7 @@ class SqlStore(ABC):
         rows.sort(key=_first)  # RETURNING's order is not promised
         ts_out = self._dialect.ts_out
         return [
-            OutboxRow(int(r[0]), r[1], r[2], bytes(r[3]), _outbox_headers(r[4]), int(r[5]),
+            OutboxRow(int(r[0]), r[1], r[2], bytes(r[3]), load_headers(r[4]), int(r[5]),
                       cast(OutboxState, r[6]), ts_out(r[7]))
             for r in rows
         ]  # fmt: skip

@@ -129,6 +129,7 @@ def ts_or_none(dialect: Dialect, value: Any) -> datetime | None:
 # One encoder for every call: ``json.dumps`` with options builds a new one each time.
 _encode_headers = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
 _SORTED_JSON = msgspec.json.Encoder(order="sorted")
+_HEADERS = msgspec.json.Decoder(dict[str, str])
 
 
 def dump_headers(headers: Mapping[str, str]) -> str:
@@ -146,10 +147,15 @@ def dump_headers(headers: Mapping[str, str]) -> str:
 
 
 def load_headers(text: Any) -> dict[str, str]:
+    """The headers ``dump_headers`` wrote (read at C speed); other JSON objects have their
+    keys and values made strings."""
     if not text:
         return {}
-    loaded = json.loads(text)
-    return {str(k): str(v) for k, v in loaded.items()}
+    try:
+        return _HEADERS.decode(text)
+    except (msgspec.DecodeError, TypeError):  # written by other means: non-text values
+        loaded = json.loads(text)
+        return {str(k): str(v) for k, v in loaded.items()}
 
 
 def clean_text(text: str, limit: int = 4096) -> str:
