@@ -63,6 +63,17 @@ async def until(check: Callable[[], bool | Awaitable[bool]], within: float = 20.
         await asyncio.sleep(0.02)  # polling with a deadline
 
 
+async def relay_until(relay: OutboxRelay, check: Callable[[], bool | Awaitable[bool]], within: float = 30.0) -> None:
+    """Run ``relay`` until ``check`` holds (polled, with a deadline), stop it, and check it
+    ended without an error."""
+    task = asyncio.create_task(relay.run())
+    try:
+        await until(check, within=within)
+    finally:
+        await relay.stop(timeout=10)
+    assert task.done() and task.exception() is None
+
+
 async def equals(value: Awaitable[int], expected: int) -> bool:
     return await value == expected
 
@@ -321,12 +332,7 @@ async def test_enqueue_many_rows_go_out_in_order_at_one_commit_a_batch(
             assert ids == sorted(ids) and len(ids) == 100
     counting = CountingStore(store)
     relay = OutboxRelay(counting, Publisher(streams, settings(), Metrics()), batch_size=200, idle=0.05)  # type: ignore[arg-type]
-    task = asyncio.create_task(relay.run())
-    try:
-        await until(lambda: relay.sent_total == len(batch), within=30)
-    finally:
-        await relay.stop(timeout=10)
-    assert task.done() and task.exception() is None
+    await relay_until(relay, lambda: relay.sent_total == len(batch))
     assert await read_ids(streams, subject) == [e.id for e in batch]
     assert await relay.depth() == 0
     # Five full batches: each claim after the first marks the batch before it sent, the
@@ -352,12 +358,7 @@ async def test_a_failed_claim_made_ahead_is_tried_again(
         enqueue_many(tx, [(subject, env) for env in batch])
     flaky = FlakyStore(store)
     relay = OutboxRelay(flaky, Publisher(streams, settings(), Metrics()), batch_size=20, idle=0.05)  # type: ignore[arg-type]
-    task = asyncio.create_task(relay.run())
-    try:
-        await until(lambda: relay.sent_total == len(batch), within=30)
-    finally:
-        await relay.stop(timeout=10)
-    assert task.done() and task.exception() is None
+    await relay_until(relay, lambda: relay.sent_total == len(batch))
     assert flaky.claims < 20, flaky.claims  # the failed one was not awaited over and over
     assert await read_ids(streams, subject) == [e.id for e in batch]
     assert await relay.depth() == 0
