@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -86,6 +87,20 @@ def parse_url(url: str) -> tuple[str, int, str]:
     return path, busy, synchronous
 
 
+def _to_wal(conn: sqlite3.Connection, within: float) -> str:
+    """``PRAGMA journal_mode = WAL``, waiting up to ``within`` seconds for a writer: the
+    switch fails at once while another connection (say a second worker creating the same
+    store) holds a lock, without consulting ``busy_timeout``. Returns the mode now set."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.01)  # polling the lock, with the busy_timeout as deadline
+
+
 class SqliteStore(SqlStore):
     """The store in one SQLite database file (or in memory, for tests)."""
 
@@ -105,9 +120,7 @@ class SqliteStore(SqlStore):
                 path, isolation_level=None, check_same_thread=False, timeout=busy_ms / 1000
             )
             self._conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
-            self._wal = path != MEMORY and (
-                self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0] == "wal"
-            )
+            self._wal = path != MEMORY and _to_wal(self._conn, self._busy_s) == "wal"
             self._conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
             self._synchronous = synchronous.upper()
             # A commit rewrites a page of each random-key index (effect keys, event ids,

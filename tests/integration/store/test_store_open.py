@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -130,6 +131,28 @@ def test_sqlite_writer_in_another_process_makes_a_retriable_busy_error(tmp_path:
     finally:
         first.close()
         second.close()
+
+
+def test_sqlite_store_opens_while_another_process_is_still_creating_it(tmp_path: Path) -> None:
+    # Two workers starting at once on a fresh file: the switch to WAL does not wait for a
+    # writer (busy_timeout is not consulted), so the second open must wait by itself.
+    path = tmp_path / "fresh.db"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("CREATE TABLE t (x)")
+    other.execute("BEGIN IMMEDIATE")  # still in rollback-journal mode, write lock held
+    other.execute("INSERT INTO t VALUES (1)")
+    released = threading.Timer(0.3, other.execute, ("COMMIT",))
+    opened: list[Store] = []
+    try:
+        released.start()
+        opened.append(open_store(f"sqlite:///{path}?busy_timeout=5000"))
+        with opened[0].transaction() as tx:
+            assert tx.execute("SELECT x FROM t") == [(1,)]
+    finally:
+        released.join()
+        for store in opened:
+            store.close()
+        other.close()
 
 
 def test_postgresql_deadlock_is_a_retriable_conflict(pg_store: Store) -> None:
