@@ -29,7 +29,7 @@ from meshforge.errors import StoreError
 from meshforge.runtime.agent import Agent, CommandSpec
 from meshforge.scope import Scope
 from meshforge.store.base import NewEffect, NewEvent, Store, StoredOutput, Transaction
-from meshforge.store.logtail import append_with_states
+from meshforge.store.logtail import DuplicateEffect, append_with_states, read_group, store_effects
 
 __all__ = ["Conflict", "EffectStore", "Plan", "Work", "drive"]
 
@@ -98,7 +98,13 @@ class EffectStore:
         cm = self.store.transaction()
         tx = cm.__enter__()
         try:
-            return cm, tx, self._load(tx, works), self._effects(tx, works)
+            # One statement each for the whole group; the store locks in one order for
+            # every worker.
+            states, stored = read_group(
+                tx, self.agent.name, [(w.scope, w.resource) for w in works],
+                self.consumer, [(w.scope, w.env.key) for w in works],
+            )  # fmt: skip
+            return cm, tx, states, stored
         except BaseException as exc:
             self.abort(cm, exc)
             raise
@@ -112,11 +118,14 @@ class EffectStore:
     ) -> None:
         """Write the group's effects and COMMIT (or roll back and raise)."""
         try:
-            self._store_effects(tx, plan, marks)
-        except BaseException as exc:
-            self.abort(cm, exc)
-            raise
-        cm.__exit__(None, None, None)
+            try:
+                self._store_effects(tx, plan, marks)
+            except BaseException as exc:
+                self.abort(cm, exc)
+                raise
+            cm.__exit__(None, None, None)
+        except DuplicateEffect as exc:  # found with the COMMIT (see store_effects)
+            raise Conflict() from exc
 
     def abort(self, cm: AbstractContextManager[Transaction], exc: BaseException) -> None:
         try:
@@ -125,26 +134,15 @@ class EffectStore:
             if err is not exc:
                 log.debug("%s: rollback after an error also failed: %s", self.consumer, err)
 
-    def _load(self, tx: Transaction, works: list[Work]) -> dict[tuple[Scope, str], bytes | None]:
-        # One statement for the whole group; the store locks in one order for every worker.
-        return tx.states_get(self.agent.name, [(w.scope, w.resource) for w in works])
-
-    def _effects(
-        self, tx: Transaction, works: list[Work]
-    ) -> dict[tuple[Scope, str], list[StoredOutput] | None]:
-        return tx.effects_get(self.consumer, [(w.scope, w.env.key) for w in works])
-
     def _store_effects(self, tx: Transaction, plan: Plan, marks: list[tuple[Scope, str]]) -> None:
         fresh = [w for w in plan.done if w.fresh]
+        effects = [NewEffect(w.env.key, w.env.id, w.outputs, w.scope) for w in fresh]
         try:
-            tx.effects_put(
-                self.consumer, [NewEffect(w.env.key, w.env.id, w.outputs, w.scope) for w in fresh]
-            )
+            store_effects(tx, self.consumer, effects, marks)
         except StoreError as exc:
             if exc.kind == "duplicate":
                 raise Conflict() from exc
             raise
-        tx.effects_mark_published(self.consumer, marks)
         # Last: from its event-log append to COMMIT, every writer of the log waits for us.
         by_scope: dict[Scope, list[NewEvent]] = {}
         for w in fresh:
@@ -159,4 +157,4 @@ class EffectStore:
         if not keys:
             return
         with self.store.transaction() as tx:
-            tx.effects_mark_published(self.consumer, keys)
+            store_effects(tx, self.consumer, [], keys)

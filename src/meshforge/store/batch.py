@@ -17,6 +17,29 @@ from meshforge.store.base import NewEffect, NewState, Scoped, StoredOutput
 from meshforge.store.packing import pack_outputs, unpack_outputs
 from meshforge.store.sql import Dialect, Runner, in_clause, spoils
 
+# The batch statements a backend may also send its own way (``meshforge.store.postgres``).
+# Each joins a ``{keys}`` table of (tenant, namespace, agent or consumer, id) rows.
+STATES_GET = (
+    "SELECT s.tenant, s.namespace, s.resource_id, s.data FROM ({keys}) AS u"
+    " JOIN meshforge_states s ON s.tenant = u.column1 AND s.namespace = u.column2"
+    " AND s.agent = u.column3 AND s.resource_id = u.column4"
+)
+EFFECTS_GET = (
+    "SELECT e.tenant, e.namespace, e.key, e.outputs FROM ({keys}) AS u"
+    " JOIN meshforge_effects e ON e.tenant = u.column1 AND e.namespace = u.column2"
+    " AND e.consumer = u.column3 AND e.key = u.column4"
+)
+EFFECTS_MARK_PUBLISHED = (
+    "UPDATE meshforge_effects SET published_at = ? FROM ({keys}) AS u"
+    " WHERE tenant = u.column1 AND namespace = u.column2 AND consumer = u.column3"
+    " AND key = u.column4"
+)
+
+
+def lock_names(agent: str, slots: Iterable[Scoped]) -> list[str]:
+    """The names ``Dialect.resources_lock`` locks the agent's resources by."""
+    return [f"{s.tenant}\x1f{s.namespace}\x1f{agent}\x1f{r}" for s, r in slots]
+
 
 class BatchMethods:
     """``states_get``/``put``, ``effects_get``/``put``/``mark_published``; see ``base``."""
@@ -33,13 +56,9 @@ class BatchMethods:
             return found
         if self._d.resources_lock:
             # Serialises workers on each resource even before its first snapshot exists.
-            names = [f"{s.tenant}\x1f{s.namespace}\x1f{agent}\x1f{r}" for s, r in slots]
-            self._run.rows(self._d.resources_lock, (names,))
+            self._run.rows(self._d.resources_lock, (lock_names(agent, slots),))
         rows = self._run.each(
-            "SELECT s.tenant, s.namespace, s.resource_id, s.data FROM ({keys}) AS u"
-            " JOIN meshforge_states s ON s.tenant = u.column1 AND s.namespace = u.column2"
-            " AND s.agent = u.column3 AND s.resource_id = u.column4"
-            + (self._d.for_update + " OF s" if self._d.for_update else ""),
+            STATES_GET + (self._d.for_update + " OF s" if self._d.for_update else ""),
             [(s.tenant, s.namespace, agent, r) for s, r in slots],
         )
         for tenant, namespace, resource_id, data in rows:
@@ -81,12 +100,7 @@ class BatchMethods:
     ) -> dict[Scoped, list[StoredOutput] | None]:
         wanted = sorted(set(keys))
         found: dict[Scoped, list[StoredOutput] | None] = dict.fromkeys(wanted)
-        rows = self._run.each(
-            "SELECT e.tenant, e.namespace, e.key, e.outputs FROM ({keys}) AS u"
-            " JOIN meshforge_effects e ON e.tenant = u.column1 AND e.namespace = u.column2"
-            " AND e.consumer = u.column3 AND e.key = u.column4",
-            [(s.tenant, s.namespace, consumer, k) for s, k in wanted],
-        )
+        rows = self._run.each(EFFECTS_GET, [(s.tenant, s.namespace, consumer, k) for s, k in wanted])
         for tenant, namespace, key, outputs in rows:
             found[(Scope(tenant, namespace), key)] = unpack_outputs(outputs)
         return found
@@ -95,11 +109,7 @@ class BatchMethods:
     def effects_put(self, consumer: str, effects: Sequence[NewEffect]) -> None:
         if not effects:
             return
-        seen: set[Scoped] = set()
-        for e in effects:
-            if (e.scope, e.key) in seen:
-                raise self._duplicate(consumer, f"key {e.key!r} in {e.scope} is given twice")
-            seen.add((e.scope, e.key))
+        seen = self._distinct_keys(consumer, effects)
         rows = [(e.scope.tenant, e.scope.namespace, consumer, e.key, e.command_id, self._now,
                  pack_outputs(e.outputs)) for e in effects]  # fmt: skip
         target = (
@@ -145,6 +155,16 @@ class BatchMethods:
                 scope, key = next(k for k in seen if k not in stored)
                 raise self._duplicate(consumer, f"key {key!r} in {scope} is already stored")
 
+    @classmethod
+    def _distinct_keys(cls, consumer: str, effects: Sequence[NewEffect]) -> set[Scoped]:
+        """The effects' keys; a key given twice is refused before anything is written."""
+        seen: set[Scoped] = set()
+        for e in effects:
+            if (e.scope, e.key) in seen:
+                raise cls._duplicate(consumer, f"key {e.key!r} in {e.scope} is given twice")
+            seen.add((e.scope, e.key))
+        return seen
+
     @staticmethod
     def _duplicate(consumer: str, what: str) -> StoreError:
         return StoreError(
@@ -161,9 +181,7 @@ class BatchMethods:
                 [(self._now, s.tenant, s.namespace, consumer, k) for s, k in sorted(set(keys))],
             )
         return self._run.each_count(
-            "UPDATE meshforge_effects SET published_at = ? FROM ({keys}) AS u"
-            " WHERE tenant = u.column1 AND namespace = u.column2 AND consumer = u.column3"
-            " AND key = u.column4",
+            EFFECTS_MARK_PUBLISHED,
             [(s.tenant, s.namespace, consumer, k) for s, k in sorted(set(keys))],
             (self._now,),
         )

@@ -8,7 +8,9 @@ transaction again (``Store.run`` does).
 
 URL options, besides everything libpq accepts: ``schema`` (created if missing, put first
 on the search path) and ``pool_size`` (default 10). Batches are written with COPY and
-read with one array per key column.
+read with one array per key column. A transaction opens in pipeline mode, so an engine's
+group costs two round trips: BEGIN with its reads, and its writes with the COMMIT
+(``meshforge.store.logtail``).
 
 Example::
 
@@ -32,8 +34,11 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from meshforge.errors import StoreError, one_line
 from meshforge.scope import DEFAULT_SCOPE, Scope
-from meshforge.store.base import NewEvent, Transaction
+from meshforge.store.base import NewEffect, NewEvent, Scoped, StoredOutput, Transaction
+from meshforge.store.batch import EFFECTS_GET, EFFECTS_MARK_PUBLISHED, STATES_GET, lock_names
 from meshforge.store.core import Clock, SqlStore
+from meshforge.store.logtail import DuplicateEffect
+from meshforge.store.packing import pack_outputs, unpack_outputs
 from meshforge.store.schema import migrate
 from meshforge.store.sql import (
     Cursor,
@@ -89,6 +94,13 @@ def _ts_out(value: datetime) -> datetime:
     return value.astimezone(UTC)
 
 
+# In hash order, so two transactions locking overlapping sets cannot deadlock; the lock
+# call runs after the sort (PostgreSQL evaluates volatile output columns last).
+_LOCK_RESOURCES = (
+    f"SELECT pg_advisory_xact_lock({_RESOURCE_LOCK}, h)"
+    " FROM (SELECT DISTINCT hashtext(n) AS h FROM unnest(?::text[]) AS u(n)) AS l ORDER BY h"
+)
+
 DIALECT = Dialect(
     name="postgresql",
     types={
@@ -104,12 +116,7 @@ DIALECT = Dialect(
     for_update=" FOR UPDATE",
     skip_locked=" FOR UPDATE SKIP LOCKED",
     resource_lock=f"SELECT pg_advisory_xact_lock({_RESOURCE_LOCK}, hashtext(?))",
-    # In hash order, so two transactions locking overlapping sets cannot deadlock; the
-    # lock call runs after the sort (PostgreSQL evaluates volatile output columns last).
-    resources_lock=(
-        f"SELECT pg_advisory_xact_lock({_RESOURCE_LOCK}, h)"
-        " FROM (SELECT DISTINCT hashtext(n) AS h FROM unnest(?::text[]) AS u(n)) AS l ORDER BY h"
-    ),
+    resources_lock=_LOCK_RESOURCES,
     migration_lock=f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK}, 0)",
     max_params=65535,
     copy_in=_copy_in,
@@ -161,27 +168,71 @@ def _append_params(
     )  # fmt: skip
 
 
+_EFFECTS_PUT = (
+    "INSERT INTO meshforge_effects (tenant, namespace, consumer, key, command_id, created_at,"
+    " outputs) SELECT u.t, u.n, ?, u.k, u.c, ?, u.o"
+    " FROM unnest(?::text[], ?::text[], ?::text[], ?::text[], ?::bytea[]) AS u(t, n, k, c, o)"
+)
+_STATES_LOCKED = STATES_GET + " FOR UPDATE OF s"
+
+
+class _Lead(Runner):
+    """The runner of a transaction that opened in pipeline mode, BEGIN not yet sent: the
+    first statement run the plain way leaves the pipeline (BEGIN goes out with it)."""
+
+    def __init__(self, cursor: Cursor, leave: Callable[[], object]) -> None:
+        super().__init__(DIALECT, cursor)
+        self.leave: Callable[[], object] | None = leave
+
+    def _ensure_open(self) -> None:
+        super()._ensure_open()
+        if self.leave is not None:
+            leave, self.leave = self.leave, None
+            try:
+                leave()
+            except psycopg.Error as exc:
+                self.failed = True
+                raise _to_store_error(exc) from exc
+
+
 class _Sealed(Runner):
-    """The runner of a transaction whose log tail went out with the COMMIT."""
+    """The runner of a transaction whose last writes go out with the COMMIT."""
 
     def _ensure_open(self) -> None:
         raise StoreError(
-            "postgresql store: the event log was appended with the commit;"
-            " nothing but further appends may follow it in the transaction"
+            "postgresql store: the effects and the event log were sent with the commit;"
+            " nothing but further appends may follow them in the transaction"
         )
 
 
 class PostgresTransaction(SqlTransaction):
-    """The store's transaction on PostgreSQL: the event log's tail goes out with the COMMIT
-    (``meshforge.store.logtail``); ``tail`` switches the connection to pipeline mode until
-    the transaction ends."""
+    """The store's transaction on PostgreSQL: a ``LogTail`` (``meshforge.store.logtail``).
+
+    It opens in pipeline mode, BEGIN queued: ``states_and_effects_get`` sends it with the
+    reads and waits once, and any other statement leaves the pipeline first. The tail
+    (``effects_put_with_commit``, ``append_log``) is sent in pipeline mode, its results
+    read with the COMMIT's when the transaction ends."""
 
     def __init__(
-        self, run: Runner, now: datetime, cursor: psycopg.Cursor[Any], tail: Callable[[], object]
-    ) -> None:
-        super().__init__(run, now)
+        self, conn: psycopg.Connection[Any], cursor: psycopg.Cursor[Any],
+        pipelines: ExitStack, pipeline: psycopg.Pipeline, now: datetime,
+    ) -> None:  # fmt: skip
+        super().__init__(_Lead(cursor, self._leave), now)
+        self._conn = conn
         self._cursor = cursor
-        self._tail = tail
+        self._pipelines = pipelines  # closed with the transaction, after its COMMIT
+        self._pipeline: psycopg.Pipeline | None = pipeline
+        self._effects_of: str | None = None  # the consumer whose effects go with the COMMIT
+
+    def error(self, exc: psycopg.Error) -> StoreError:
+        """The store's error for a driver error of this transaction or of its COMMIT."""
+        if (
+            self._effects_of is not None and isinstance(exc, pg_errors.UniqueViolation)
+            and exc.diag.table_name == "meshforge_effects"
+        ):  # fmt: skip
+            what = f"a key is already stored ({_to_store_error(exc)})"
+            return DuplicateEffect(str(self._duplicate(self._effects_of, what)))
+        return _to_store_error(exc)
 
     @spoils
     def events_append(
@@ -194,27 +245,100 @@ class PostgresTransaction(SqlTransaction):
         return list(range(first, first + len(events)))
 
     @spoils
+    def states_and_effects_get(
+        self, agent: str, resources: Sequence[Scoped], consumer: str, keys: Sequence[Scoped]
+    ) -> tuple[dict[Scoped, bytes | None], dict[Scoped, list[StoredOutput] | None]]:
+        pipeline = self._pipeline
+        if pipeline is None or not isinstance(self._run, _Lead):
+            return self.states_get(agent, resources), self.effects_get(consumer, keys)
+        Runner._ensure_open(self._run)  # a failed transaction refuses; the pipeline stays
+        slots, wanted = sorted(set(resources)), sorted(set(keys))
+        states: dict[Scoped, bytes | None] = dict.fromkeys(slots)
+        effects: dict[Scoped, list[StoredOutput] | None] = dict.fromkeys(wanted)
+        # A cursor for each result: all of them (and BEGIN's) come back with one sync.
+        with self._sending(), self._conn.cursor() as found_states, self._conn.cursor() as found_effects:
+            if slots:
+                self._cursor.execute(DIALECT.sql(_LOCK_RESOURCES), (lock_names(agent, slots),))
+                self._send(found_states, _STATES_LOCKED, [(s.tenant, s.namespace, agent, r) for s, r in slots])
+            if wanted:
+                self._send(found_effects, EFFECTS_GET, [(s.tenant, s.namespace, consumer, k) for s, k in wanted])
+            pipeline.sync()
+            state_rows = found_states.fetchall() if slots else []
+            effect_rows = found_effects.fetchall() if wanted else []
+        for tenant, namespace, resource_id, data in state_rows:
+            states[(Scope(tenant, namespace), resource_id)] = bytes(data)
+        for tenant, namespace, key, outputs in effect_rows:
+            effects[(Scope(tenant, namespace), key)] = unpack_outputs(outputs)
+        return states, effects
+
+    @spoils
+    def effects_put_with_commit(
+        self, consumer: str, effects: Sequence[NewEffect], marks: Sequence[Scoped]
+    ) -> None:
+        if not effects and not marks:
+            return
+        self._distinct_keys(consumer, effects)
+        self._seal()
+        with self._sending():
+            if effects:
+                self._effects_of = consumer
+                self._cursor.execute(DIALECT.sql(_EFFECTS_PUT), (
+                    consumer, self._now, [e.scope.tenant for e in effects],
+                    [e.scope.namespace for e in effects], [e.key for e in effects],
+                    [e.command_id for e in effects], [pack_outputs(e.outputs) for e in effects],
+                ))  # fmt: skip
+            if marks:
+                rows = [(s.tenant, s.namespace, consumer, k) for s, k in sorted(set(marks))]
+                self._send(self._cursor, EFFECTS_MARK_PUBLISHED, rows, (self._now,))
+
+    @spoils
     def append_log(
         self, agent: str, scope: Scope, events: Sequence[NewEvent],
         states: Sequence[tuple[str, bytes, int]],
     ) -> None:  # fmt: skip
         if not events:
             return
-        if not isinstance(self._run, _Sealed):
-            self._run._ensure_open()
-            # Sent, not waited for: its result (or error) is read with the COMMIT's.
-            self._tail()
-            self._run = _Sealed(DIALECT, self._cursor)
+        self._seal()
         count = len(events)
         params = (
             *_append_params(agent, scope, events, self._now),
             scope.tenant, scope.namespace, agent, count, self._now,
             [r for r, _, _ in states], [bytes(d) for _, d, _ in states], [i + 1 for _, _, i in states],
         )  # fmt: skip
-        try:
+        with self._sending():
             self._cursor.execute(DIALECT.sql(_APPEND_WITH_STATES), params)
+
+    def _leave(self) -> None:
+        """Leave the pipeline the transaction opened in (its results are read first)."""
+        self._pipeline = None
+        self._pipelines.close()
+
+    def _seal(self) -> None:
+        """From here on, statements are sent, not waited for: their results (errors) are
+        read with the COMMIT's."""
+        if isinstance(self._run, _Sealed):
+            return
+        Runner._ensure_open(self._run)  # a failed transaction refuses; the pipeline stays
+        if self._pipeline is None:
+            self._pipeline = self._pipelines.enter_context(self._conn.pipeline())
+        self._run = _Sealed(DIALECT, self._cursor)
+
+    def _send(
+        self, cursor: psycopg.Cursor[Any], sql: str, rows: Sequence[Sequence[Any]],
+        fixed: Sequence[Any] = (),
+    ) -> None:  # fmt: skip
+        """Send a ``Runner.each`` statement in pipeline mode; its rows arrive on ``cursor``."""
+        for text, params in self._run.statements(sql, rows, fixed):
+            cursor.execute(DIALECT.sql(text), params, prepare=False)
+
+    @contextmanager
+    def _sending(self) -> Iterator[None]:
+        """Around driver calls in pipeline mode: their errors (maybe an earlier statement's)
+        become the store's."""
+        try:
+            yield
         except psycopg.Error as exc:
-            raise _to_store_error(exc) from exc
+            raise self.error(exc) from exc
         except (UnicodeError, OverflowError) as exc:  # a value the driver cannot even send
             raise StoreError(f"postgresql store: {one_line(exc)}", kind="invalid") from exc
 
@@ -306,29 +430,31 @@ class PostgresStore(SqlStore):
         pool = self._pool
         if pool is None:
             raise StoreError("postgresql store is closed", kind="closed")
+        tx: PostgresTransaction | None = None
         try:
             with pool.connection() as conn:
                 try:
-                    # Exits after the transaction block: a pipeline opened in it (the log's
-                    # tail) sends the COMMIT along, then reads every result.
-                    with ExitStack() as tail, conn.transaction(), conn.cursor() as cur:
-                        tx = PostgresTransaction(
-                            Runner(DIALECT, cur), self._clock(), cur,
-                            lambda: tail.enter_context(conn.pipeline()),
-                        )  # fmt: skip
-                        yield tx
-                        if tx.failed:
-                            raise StoreError(
-                                "postgresql store: transaction rolled back because a store"
-                                " error inside it was caught and ignored",
-                            )
+                    # The transaction opens in pipeline mode; the pipeline it is in at its
+                    # end (that one, or its tail's) sends the COMMIT along, then reads
+                    # every result. (Not conn.transaction(): in pipeline mode, it waits
+                    # for the server at its start and its end.)
+                    with ExitStack() as pipelines:
+                        pipeline = pipelines.enter_context(conn.pipeline())
+                        with psycopg.Transaction(conn), conn.cursor() as cur:
+                            tx = PostgresTransaction(conn, cur, pipelines, pipeline, self._clock())
+                            yield tx
+                            if tx.failed:
+                                raise StoreError(
+                                    "postgresql store: transaction rolled back because a store"
+                                    " error inside it was caught and ignored",
+                                )
                 except psycopg.Error:
                     # A tail that failed leaves its transaction aborted, not committed.
                     if conn.info.transaction_status != pq.TransactionStatus.IDLE:
                         conn.rollback()
                     raise
         except psycopg.Error as exc:
-            raise _to_store_error(exc) from exc
+            raise (_to_store_error(exc) if tx is None else tx.error(exc)) from exc
 
     @contextmanager
     def _session(self, *, write: bool) -> Iterator[Cursor]:

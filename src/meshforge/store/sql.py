@@ -238,6 +238,13 @@ class Runner:
         chunks = self._chunks(sql, rows, fixed)
         return sum(self.count(text, params, fresh=fresh) for text, params in chunks)
 
+    def statements(
+        self, sql: str, rows: Sequence[Sequence[Any]], fixed: Sequence[Any] = ()
+    ) -> list[tuple[str, list[Any]]]:
+        """The statements ``each`` runs for these rows (``?`` style, with their parameters),
+        for a caller that sends them its own way."""
+        return list(self._chunks(sql, rows, fixed))
+
     def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
         """Execute the single-row statement ``sql`` once for every row, prepared once; how
         many rows it changed in all. ``rows`` is consumed in order, one row at a time."""
