@@ -78,6 +78,14 @@ def _to_store_error(exc: Exception) -> StoreError:
     return StoreError(text)
 
 
+def _first_error(exc: psycopg.Error) -> psycopg.Error:
+    """The error that aborted a pipeline, not a later statement's "pipeline aborted" (which
+    psycopg may raise instead while it reads the results after the first error)."""
+    while isinstance(exc, pg_errors.PipelineAborted) and isinstance(exc.__context__, psycopg.Error):
+        exc = exc.__context__
+    return exc
+
+
 def _copy_in(cursor: Cursor, target: str, rows: Sequence[Sequence[Any]]) -> None:
     with cast("psycopg.Cursor[Any]", cursor).copy(f"COPY {target} FROM STDIN") as copy:
         for row in rows:
@@ -226,6 +234,7 @@ class PostgresTransaction(SqlTransaction):
 
     def error(self, exc: psycopg.Error) -> StoreError:
         """The store's error for a driver error of this transaction or of its COMMIT."""
+        exc = _first_error(exc)
         if (
             self._effects_of is not None and isinstance(exc, pg_errors.UniqueViolation)
             and exc.diag.table_name == "meshforge_effects"
@@ -454,7 +463,7 @@ class PostgresStore(SqlStore):
                         conn.rollback()
                     raise
         except psycopg.Error as exc:
-            raise (_to_store_error(exc) if tx is None else tx.error(exc)) from exc
+            raise (_to_store_error(_first_error(exc)) if tx is None else tx.error(exc)) from exc
 
     @contextmanager
     def _session(self, *, write: bool) -> Iterator[Cursor]:
