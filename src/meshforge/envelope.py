@@ -197,11 +197,12 @@ class Envelope:
             self.span_id, self.causation_id, self.correlation_id,
         )  # fmt: skip
 
-    def child_outbound(
+    def child_message(
         self, subject: str, type: str, payload: Mapping[str, Any], position: int, **fields_: Any
-    ) -> Outbound:
-        """``Outbound.of(subject, self.child(type, payload, position, **fields_))``, built
-        without the child envelope (on the hot path: every output of every command)."""
+    ) -> tuple[str, bytes, dict[str, str]]:
+        """``msg_id``, ``data`` and ``headers`` of ``Outbound.of(subject, self.child(type,
+        payload, position, **fields_))``, built without the child envelope or the message
+        (on the hot path: every output of every command)."""
         base = self._child_base(position)
         base.update(fields_)
         if not _CHILD_FIELDS.issuperset(fields_) or (
@@ -209,14 +210,15 @@ class Envelope:
             and subject.startswith(("cmd.", "evt."))
             and subject.split(".", 2)[1] not in ("", "default")  # addressed_to would change it
         ):
-            return Outbound.of(subject, self.child(type, payload, position, **fields_))
+            sent = Outbound.of(subject, self.child(type, payload, position, **fields_))
+            return sent.msg_id, sent.data, sent.headers
         child_id = base["idempotency_key"]
         body = {"id": child_id, "type": type, "payload": dict(payload), **base}
         headers = _headers(
             child_id, child_id, base["tenant_id"], base["schema_version"], base["trace_id"],
             base["span_id"], base["causation_id"], base["correlation_id"],
         )  # fmt: skip
-        return Outbound(subject, _JSON_ENCODER.encode(body), headers, child_id)
+        return child_id, _JSON_ENCODER.encode(body), headers
 
     def _child_base(self, position: int) -> dict[str, Any]:
         """The fields of the ``position``-th child after ``payload``, in field order; its id
@@ -277,7 +279,7 @@ class Outbound:
 # Computed once: ``fields()`` per message was a measurable part of the hot path.
 _FIELD_NAMES = tuple(f.name for f in fields(Envelope) if f.name not in _LOCAL_FIELDS)
 _KNOWN = frozenset(_FIELD_NAMES)
-# What ``child_outbound`` lets a caller set without building the child envelope (the
+# What ``child_message`` lets a caller set without building the child envelope (the
 # others it leaves to ``child``).
 _CHILD_FIELDS = frozenset(("source", "tenant_id", "resource_type", "resource_id", "trace_id", "ts"))
 _LOWER_HEX = frozenset("0123456789abcdef")

@@ -167,7 +167,7 @@ def test_headers_match_their_definition(
         max_size=4,
     ),
 )
-def test_child_outbound_is_the_child_sent(
+def test_child_message_is_the_child_sent(
     payload: dict[str, Any], position: int, trace: str | None, ts: str, tenant: str, subject: str,
     fields: dict[str, Any],
 ) -> None:  # fmt: skip
@@ -175,7 +175,8 @@ def test_child_outbound_is_the_child_sent(
         fields["extra"] = {"x": fields["extra"]}
     cmd = Envelope.new("order.create", {"sku": "A"}, trace_id=trace, tenant_id=tenant, ts=ts, resource_id="r")
     expected = Outbound.of(subject, cmd.child("order.created", payload, position, **fields))
-    got = cmd.child_outbound(subject, "order.created", payload, position, **fields)
+    msg_id, data, headers = cmd.child_message(subject, "order.created", payload, position, **fields)
+    got = Outbound(subject, data, headers, msg_id)
     if ts:
         assert got == expected
     else:  # the children's ts is the time each was made

@@ -135,20 +135,21 @@ class EffectStore:
         return tx.effects_get(self.consumer, [(w.scope, w.env.key) for w in works])
 
     def _store_effects(self, tx: Transaction, plan: Plan, marks: list[tuple[Scope, str]]) -> None:
-        fresh = [w for w in plan.done if w.fresh]
+        effects: list[NewEffect] = []
+        by_scope: dict[Scope, list[NewEvent]] = {}
+        for w in plan.done:
+            if w.fresh:
+                effects.append(NewEffect(w.env.key, w.env.id, w.outputs, w.scope))
+                if w.events:
+                    by_scope.setdefault(w.scope, []).extend(w.events)
         try:
-            tx.effects_put(
-                self.consumer, [NewEffect(w.env.key, w.env.id, w.outputs, w.scope) for w in fresh]
-            )
+            tx.effects_put(self.consumer, effects)
         except StoreError as exc:
             if exc.kind == "duplicate":
                 raise Conflict() from exc
             raise
         tx.effects_mark_published(self.consumer, marks)
         # Last: from its event-log append to COMMIT, every writer of the log waits for us.
-        by_scope: dict[Scope, list[NewEvent]] = {}
-        for w in fresh:
-            by_scope.setdefault(w.scope, []).extend(w.events)
         encode = self.agent.encode_state
         for scope, events in sorted(by_scope.items()):
             states = {r: encode(plan.states[(scope, r)]) for r in {e.resource_id or "" for e in events}}

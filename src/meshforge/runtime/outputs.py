@@ -81,16 +81,13 @@ def build_outputs(
     for position, out in enumerate(outputs):
         data, payload = normalize_payload(out.payload)
         if isinstance(out, Event):
-            message = cmd.child_outbound(
-                event_subject(tenant, namespace, agent.name, out.name), f"{agent.name}.{out.name}",
-                payload, position, source=agent.name, resource_type=agent.name,
-                resource_id=resource, tenant_id=tenant, ts=ts,
+            out_subject = event_subject(tenant, namespace, agent.name, out.name)
+            type_ = f"{agent.name}.{out.name}"
+            msg_id, body, headers = cmd.child_message(
+                out_subject, type_, payload, position, source=agent.name,
+                resource_type=agent.name, resource_id=resource, tenant_id=tenant, ts=ts,
             )  # fmt: skip
-            new_event = NewEvent(
-                event_id=message.msg_id, type=f"{agent.name}.{out.name}", resource_id=resource,
-                command_id=cmd.id, key=cmd.key, data=data, ts=ts,
-            )  # fmt: skip
-            events.append(new_event)
+            events.append(NewEvent(msg_id, type_, resource, cmd.id, cmd.key, data, ts))
             # After the message is built: what apply does to the payload stays out of it.
             state = agent.apply(state, Event(out.name, payload))
         elif isinstance(out, Send):
@@ -103,12 +100,9 @@ def build_outputs(
                 tenant_id=out.tenant or tenant, ts=ts,
             )  # fmt: skip
             out_subject = partition_subject(out_subject, partition_key(child), partitions)
-            message = Outbound.of(out_subject, child)
+            sent = Outbound.of(out_subject, child)
+            msg_id, body, headers = sent.msg_id, sent.data, sent.headers
         else:  # pragma: no cover - Agent.handle already checked the types
             raise TypeError(f"not an output: {out!r}")
-        output = StoredOutput(
-            position=position, subject=message.subject, msg_id=message.msg_id,
-            data=message.data, headers=message.headers,
-        )  # fmt: skip
-        stored.append(output)
+        stored.append(StoredOutput(position, out_subject, msg_id, body, headers))
     return state, stored, events
