@@ -71,11 +71,13 @@ def derive_id(cause_id: str, position: int) -> str:
 def uuid5_str(namespace: bytes, name: str) -> str:
     """``str(uuid.uuid5(UUID(bytes=namespace), name))``, without building a ``UUID`` (on
     the hot path: an id for every output)."""
-    b = bytearray(hashlib.sha1(namespace + name.encode()).digest()[:16])  # RFC 4122 version 5
-    b[6] = (b[6] & 0x0F) | 0x50
-    b[8] = (b[8] & 0x3F) | 0x80
-    h = b.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    h = hashlib.sha1(namespace + name.encode()).hexdigest()  # RFC 4122 version 5:
+    # the version nibble becomes 5, the variant bits of byte 8 become 10.
+    return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{_VARIANT[h[16]]}{h[17:20]}-{h[20:32]}"
+
+
+# The first hex digit of byte 8 with its top two bits set to the RFC 4122 variant, 10.
+_VARIANT = {digit: "89ab"[int(digit, 16) & 3] for digit in "0123456789abcdef"}
 
 
 def _hex(text: str, length: int) -> str:
@@ -157,20 +159,8 @@ class Envelope:
     ) -> Envelope:
         """The ``position``-th output caused by this message: deterministic id, same trace,
         a child span, ``causation_id`` = this id, and this message's logical ``ts``."""
-        child_id = derive_id(self.id, position)
-        base: dict[str, Any] = {
-            "source": self.source,
-            "tenant_id": self.tenant_id,
-            "resource_type": self.resource_type,
-            "resource_id": self.resource_id,
-            "idempotency_key": child_id,
-            "causation_id": self.id,
-            "correlation_id": self.correlation_id or self.id,
-            "trace_id": self.trace_id or _hex(self.id, 32),
-            "span_id": _hex(child_id, 16),
-            "ts": self.ts or now_ts(),
-            "schema_version": self.schema_version,
-        }
+        base = self._child_base(position)
+        child_id = base["idempotency_key"]
         base.update(fields_)
         return Envelope(id=child_id, type=type, payload=dict(payload), **base)
 
@@ -202,21 +192,73 @@ class Envelope:
 
     def headers(self) -> dict[str, str]:
         """NATS headers for this envelope (CONTRACT.md, "Headers")."""
-        h = {
-            H_MSG_ID: self.id,
-            H_IDEMPOTENCY: self.key,
-            H_TENANT: self.tenant_id,
-            H_SCHEMA: self.schema_version,
-        }
-        if self.trace_id and self.span_id and parse_traceparent(
-            tp := format_traceparent(self.trace_id, self.span_id)
+        return _headers(
+            self.id, self.key, self.tenant_id, self.schema_version, self.trace_id,
+            self.span_id, self.causation_id, self.correlation_id,
+        )  # fmt: skip
+
+    def child_message(
+        self, subject: str, type: str, payload: Mapping[str, Any], position: int, **fields_: Any
+    ) -> tuple[str, bytes, dict[str, str]]:
+        """``msg_id``, ``data`` and ``headers`` of ``Outbound.of(subject, self.child(type,
+        payload, position, **fields_))``, built without the child envelope or the message
+        (on the hot path: every output of every command)."""
+        base = self._child_base(position)
+        base.update(fields_)
+        if not _CHILD_FIELDS.issuperset(fields_) or (
+            base["tenant_id"] == "default"
+            and subject.startswith(("cmd.", "evt."))
+            and subject.split(".", 2)[1] not in ("", "default")  # addressed_to would change it
         ):
+            sent = Outbound.of(subject, self.child(type, payload, position, **fields_))
+            return sent.msg_id, sent.data, sent.headers
+        child_id = base["idempotency_key"]
+        body = {"id": child_id, "type": type, "payload": dict(payload), **base}
+        headers = _headers(
+            child_id, child_id, base["tenant_id"], base["schema_version"], base["trace_id"],
+            base["span_id"], base["causation_id"], base["correlation_id"],
+        )  # fmt: skip
+        return child_id, _JSON_ENCODER.encode(body), headers
+
+    def _child_base(self, position: int) -> dict[str, Any]:
+        """The fields of the ``position``-th child after ``payload``, in field order; its id
+        is its ``idempotency_key``."""
+        child_id = derive_id(self.id, position)
+        return {
+            "source": self.source,
+            "tenant_id": self.tenant_id,
+            "resource_type": self.resource_type,
+            "resource_id": self.resource_id,
+            "idempotency_key": child_id,
+            "causation_id": self.id,
+            "correlation_id": self.correlation_id or self.id,
+            "trace_id": self.trace_id or _hex(self.id, 32),
+            "span_id": _hex(child_id, 16),
+            "ts": self.ts or now_ts(),
+            "schema_version": self.schema_version,
+        }
+
+
+def _headers(
+    msg_id: str, key: str, tenant: str, schema: str, trace_id: str | None, span_id: str | None,
+    causation: str | None, correlation: str | None,
+) -> dict[str, str]:  # fmt: skip
+    h = {H_MSG_ID: msg_id, H_IDEMPOTENCY: key, H_TENANT: tenant, H_SCHEMA: schema}
+    if trace_id and span_id:
+        tp = format_traceparent(trace_id, span_id)
+        if (_plain_hex(trace_id, 32) and _plain_hex(span_id, 16)) or parse_traceparent(tp):
             h[H_TRACEPARENT] = tp
-        if self.causation_id:
-            h[H_CAUSATION] = self.causation_id
-        if self.correlation_id:
-            h[H_CORRELATION] = self.correlation_id
-        return h
+    if causation:
+        h[H_CAUSATION] = causation
+    if correlation:
+        h[H_CORRELATION] = correlation
+    return h
+
+
+def _plain_hex(value: str, length: int) -> bool:
+    """Lowercase hex of ``length`` digits, not all zero: a valid trace or span id as is
+    (``parse_traceparent`` decides the other forms)."""
+    return len(value) == length and _LOWER_HEX.issuperset(value) and value.strip("0") != ""
 
 
 @dataclass(slots=True, frozen=True)
@@ -237,6 +279,10 @@ class Outbound:
 # Computed once: ``fields()`` per message was a measurable part of the hot path.
 _FIELD_NAMES = tuple(f.name for f in fields(Envelope) if f.name not in _LOCAL_FIELDS)
 _KNOWN = frozenset(_FIELD_NAMES)
+# What ``child_message`` lets a caller set without building the child envelope (the
+# others it leaves to ``child``).
+_CHILD_FIELDS = frozenset(("source", "tenant_id", "resource_type", "resource_id", "trace_id", "ts"))
+_LOWER_HEX = frozenset("0123456789abcdef")
 
 
 def _valid_ts(value: str) -> bool:

@@ -129,3 +129,57 @@ def test_derived_ids_are_the_standard_uuid5(cause: str, position: int) -> None:
     # Ids are part of the wire contract: the fast form must be uuid.uuid5 exactly.
     namespace = uuid.UUID("6d657368-666f-7267-6500-000000000001")
     assert derive_id(cause, position) == str(uuid.uuid5(namespace, f"{cause}/{position}"))
+
+
+hexes = st.text(alphabet="0123456789abcdefABCDEF -", max_size=34)
+ids = st.none() | st.sampled_from(["", "0" * 32, "0" * 16, "a" * 32, "b" * 16]) | hexes
+
+
+@given(trace=ids, span=ids, causation=st.none() | tokens, correlation=st.none() | tokens)
+def test_headers_match_their_definition(
+    trace: str | None, span: str | None, causation: str | None, correlation: str | None
+) -> None:
+    env = Envelope.new("order.create", {}, trace_id=trace, span_id=span, causation_id=causation,
+                       correlation_id=correlation)  # fmt: skip
+    expected = {H_MSG_ID: env.id, H_IDEMPOTENCY: env.key, H_TENANT: env.tenant_id, "Schema-Version": "1.0"}
+    if trace and span and parse_traceparent(format_traceparent(trace, span)):
+        expected[H_TRACEPARENT] = format_traceparent(trace, span)
+    if causation:
+        expected["Causation-Id"] = causation
+    if correlation:
+        expected["Correlation-Id"] = correlation
+    assert env.headers() == expected
+    assert list(env.headers()) == list(expected)  # header order is part of the bytes
+
+
+@given(
+    payload=payloads,
+    position=st.integers(0, 1000),
+    trace=ids,
+    ts=st.sampled_from(["", "2026-01-01T00:00:00.000000Z"]),
+    tenant=st.sampled_from(["default", "acme"]),
+    subject=st.sampled_from(["evt.default.demo.order.created", "evt.acme.demo.order.created",
+                             "cmd.other.demo.a.b.3", "evt..x.y.z", "custom.subject"]),
+    fields=st.dictionaries(
+        st.sampled_from(["source", "tenant_id", "resource_type", "resource_id", "trace_id", "ts",
+                         "causation_id", "not_before_ts", "extra"]),
+        st.none() | tokens | st.sampled_from(["default", "acme"]),
+        max_size=4,
+    ),
+)
+def test_child_message_is_the_child_sent(
+    payload: dict[str, Any], position: int, trace: str | None, ts: str, tenant: str, subject: str,
+    fields: dict[str, Any],
+) -> None:  # fmt: skip
+    if "extra" in fields:
+        fields["extra"] = {"x": fields["extra"]}
+    cmd = Envelope.new("order.create", {"sku": "A"}, trace_id=trace, tenant_id=tenant, ts=ts, resource_id="r")
+    expected = Outbound.of(subject, cmd.child("order.created", payload, position, **fields))
+    msg_id, data, headers = cmd.child_message(subject, "order.created", payload, position, **fields)
+    got = Outbound(subject, data, headers, msg_id)
+    if ts:
+        assert got == expected
+    else:  # the children's ts is the time each was made
+        assert json.loads(got.data) | {"ts": ""} == json.loads(expected.data) | {"ts": ""}
+        assert (got.subject, got.headers, got.msg_id) == (expected.subject, expected.headers, expected.msg_id)
+    assert list(got.headers) == list(expected.headers)

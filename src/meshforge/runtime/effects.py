@@ -135,8 +135,13 @@ class EffectStore:
                 log.debug("%s: rollback after an error also failed: %s", self.consumer, err)
 
     def _store_effects(self, tx: Transaction, plan: Plan, marks: list[tuple[Scope, str]]) -> None:
-        fresh = [w for w in plan.done if w.fresh]
-        effects = [NewEffect(w.env.key, w.env.id, w.outputs, w.scope) for w in fresh]
+        effects: list[NewEffect] = []
+        by_scope: dict[Scope, list[NewEvent]] = {}
+        for w in plan.done:
+            if w.fresh:
+                effects.append(NewEffect(w.env.key, w.env.id, w.outputs, w.scope))
+                if w.events:
+                    by_scope.setdefault(w.scope, []).extend(w.events)
         try:
             store_effects(tx, self.consumer, effects, marks)
         except StoreError as exc:
@@ -144,9 +149,6 @@ class EffectStore:
                 raise Conflict() from exc
             raise
         # Last: from its event-log append to COMMIT, every writer of the log waits for us.
-        by_scope: dict[Scope, list[NewEvent]] = {}
-        for w in fresh:
-            by_scope.setdefault(w.scope, []).extend(w.events)
         encode = self.agent.encode_state
         for scope, events in sorted(by_scope.items()):
             states = {r: encode(plan.states[(scope, r)]) for r in {e.resource_id or "" for e in events}}

@@ -55,7 +55,7 @@ from meshforge.runtime.marks import PublishedMarks
 from meshforge.runtime.outputs import build_outputs, decode_payload, event_name
 from meshforge.runtime.stage import PublishStage
 from meshforge.scope import Scope, command_scope
-from meshforge.sizes import check_fits
+from meshforge.sizes import SizeLimits, check_fits
 from meshforge.store.base import Store, StoredOutput
 
 __all__ = ["Engine", "consumer_name"]
@@ -349,6 +349,7 @@ class Engine(Generic[S]):
         stored: dict[tuple[Scope, str], list[StoredOutput] | None],
     ) -> Plan:
         agent = self.agent
+        limits = self.publisher.limits()
         plan = Plan()
         plan.states = states = {r: self._decode(data) for r, data in raw.items()}
         blocked: dict[tuple[Scope, str], float | None] = {}  # resource -> delay of its failure
@@ -380,7 +381,7 @@ class Engine(Generic[S]):
                     agent, work.env, work.resource, d.subject, outputs, states[slot],
                     self.settings.partitions,
                 )
-                self._check_sizes(work.outputs)
+                self._check_sizes(work.outputs, limits)
             except Exception as exc:
                 # The handler may have changed the state in place: rebuild it.
                 states[slot] = self._rebuild(slot, raw[slot], plan)
@@ -395,13 +396,16 @@ class Engine(Generic[S]):
             plan.done.append(work)
         return plan
 
-    def _check_sizes(self, outputs: list[StoredOutput]) -> None:
+    @staticmethod
+    def _check_sizes(outputs: list[StoredOutput], limits: SizeLimits) -> None:
         """An output the server would refuse could never be published: refuse the command
         before its effect is stored, instead of storing an effect whose outputs never leave."""
-        limits = self.publisher.limits()
         for out in outputs:
+            headers = out.headers
+            if headers.get(H_MSG_ID) != out.msg_id:  # as it will be sent
+                headers = {**headers, H_MSG_ID: out.msg_id}
             try:
-                check_fits(out.subject, out.data, {**out.headers, H_MSG_ID: out.msg_id}, limits)
+                check_fits(out.subject, out.data, headers, limits)
             except PublishError as exc:
                 raise Unrecoverable(f"output {out.position}: {exc}") from None
 

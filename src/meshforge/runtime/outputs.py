@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from meshforge.envelope import Envelope, Outbound
+from meshforge.envelope import Envelope, Outbound, now_ts
 from meshforge.partitions import partition_key, partition_subject
 from meshforge.runtime.agent import Agent, Event, Output, Send
 from meshforge.scope import command_scope
@@ -77,20 +77,18 @@ def build_outputs(
     tenant, namespace = scope_of(subject, cmd)
     stored: list[StoredOutput] = []
     events: list[NewEvent] = []
+    ts = cmd.ts or now_ts()  # the children's logical time: one for all of them
     for position, out in enumerate(outputs):
         data, payload = normalize_payload(out.payload)
         if isinstance(out, Event):
             out_subject = event_subject(tenant, namespace, agent.name, out.name)
-            child = cmd.child(
-                f"{agent.name}.{out.name}", payload, position,
-                source=agent.name, resource_type=agent.name, resource_id=resource,
-                tenant_id=tenant,
+            type_ = f"{agent.name}.{out.name}"
+            msg_id, body, headers = cmd.child_message(
+                out_subject, type_, payload, position, source=agent.name,
+                resource_type=agent.name, resource_id=resource, tenant_id=tenant, ts=ts,
             )  # fmt: skip
-            new_event = NewEvent(
-                event_id=child.id, type=child.type, resource_id=resource,
-                command_id=cmd.id, key=cmd.key, data=data, ts=child.ts,
-            )  # fmt: skip
-            events.append(new_event)
+            events.append(NewEvent(msg_id, type_, resource, cmd.id, cmd.key, data, ts))
+            # After the message is built: what apply does to the payload stays out of it.
             state = agent.apply(state, Event(out.name, payload))
         elif isinstance(out, Send):
             out_subject = command_subject(
@@ -99,15 +97,12 @@ def build_outputs(
             child = cmd.child(
                 f"{out.agent}.{out.command}", payload, position,
                 source=agent.name, resource_type=out.agent, resource_id=out.resource_id,
-                tenant_id=out.tenant or tenant,
+                tenant_id=out.tenant or tenant, ts=ts,
             )  # fmt: skip
             out_subject = partition_subject(out_subject, partition_key(child), partitions)
+            sent = Outbound.of(out_subject, child)
+            msg_id, body, headers = sent.msg_id, sent.data, sent.headers
         else:  # pragma: no cover - Agent.handle already checked the types
             raise TypeError(f"not an output: {out!r}")
-        message = Outbound.of(out_subject, child)
-        output = StoredOutput(
-            position=position, subject=message.subject, msg_id=message.msg_id,
-            data=message.data, headers=message.headers,
-        )  # fmt: skip
-        stored.append(output)
+        stored.append(StoredOutput(position, out_subject, msg_id, body, headers))
     return state, stored, events
