@@ -20,6 +20,14 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.protocol.parser import (
+    AWAITING_CONTROL_LINE,
+    AWAITING_MSG_PAYLOAD,
+    CRLF_SIZE,
+    HMSG_RE,
+    MSG_RE,
+    Parser,
+)
 
 from meshforge.config import Settings, load_settings
 from meshforge.connect_retry import attempt_connect, close_bounded, retry_connect
@@ -61,6 +69,82 @@ def _auth_options(settings: Settings) -> dict[str, Any]:
     return nats_auth_options(settings_auth(settings))
 
 
+_HDR_LINE = len(b"NATS/1.0")  # a header block's first line; a space after it: a status
+_HDR_START = _HDR_LINE + CRLF_SIZE
+_SPACE = ord(" ")
+
+
+class _Parser(Parser):
+    """nats-py's protocol parser with a quicker path for messages, nearly all a worker
+    reads: one match and one buffer cut per message, and the client's synchronous hand-off
+    (``_Client._deliver_now``) where nats-py awaits a coroutine per message. Every other
+    protocol line goes through nats-py's own parser, one line at a time."""
+
+    async def parse(self, data: bytes = b"") -> None:
+        buf = self.buf
+        buf.extend(data)
+        nc = self.nc
+        while buf:
+            if self.state == AWAITING_MSG_PAYLOAD:
+                start, needed, hsize = 0, self.needed, self.header_needed
+                if len(buf) < needed + CRLF_SIZE:
+                    return
+                arg = self.msg_arg
+                subject, sid, reply = arg["subject"], arg["sid"], arg["reply"]
+                self.state, self.header_needed = AWAITING_CONTROL_LINE, 0
+            else:
+                if buf.startswith(b"HMSG"):
+                    m = HMSG_RE.match(buf)
+                    if m is not None:
+                        subject, sid_b, _, reply, hsize_b, needed_b = m.groups()
+                        hsize = int(hsize_b)
+                elif buf.startswith(b"MSG"):
+                    m = MSG_RE.match(buf)
+                    if m is not None:
+                        subject, sid_b, _, reply, needed_b = m.groups()
+                        hsize = 0
+                else:
+                    m = None
+                if m is None:
+                    if not await self._one_line():
+                        return
+                    buf = self.buf
+                    continue
+                sid, needed, start, reply = int(sid_b), int(needed_b), m.end(), reply or b""
+                if len(buf) < start + needed + CRLF_SIZE:
+                    del buf[:start]
+                    self.msg_arg.update(subject=subject, sid=sid, reply=reply)
+                    self.needed, self.header_needed = needed, hsize
+                    self.state = AWAITING_MSG_PAYLOAD
+                    return
+            if hsize > 0:
+                hdr: bytes | None = bytes(buf[start : start + hsize])
+                payload = bytes(buf[start + hsize : start + needed])
+            else:
+                hdr, payload = None, bytes(buf[start : start + needed])
+            del buf[: start + needed + CRLF_SIZE]
+            if not nc._deliver_now(sid, subject, reply, payload, hdr):
+                await nc._process_msg(sid, subject, reply, payload, hdr)
+                buf = self.buf  # a new one if the client reset the parser meanwhile
+
+    async def _one_line(self) -> bool:
+        """Hand nats-py's parser the next protocol line alone; False when it took nothing
+        (the line is not complete yet, or nats-py waits too)."""
+        buf = self.buf
+        end = buf.find(b"\r\n")
+        if end < 0:
+            return False
+        rest = bytes(buf[end + CRLF_SIZE :])
+        del buf[end + CRLF_SIZE :]
+        before = len(buf)
+        await super().parse()
+        if self.buf is not buf:  # reset meanwhile: what was read before is gone
+            return bool(self.buf)
+        took = len(buf) < before
+        buf.extend(rest)
+        return took
+
+
 class _Client(NATS):
     """nats-py closes the client for good on any server ``-ERR`` but a stale connection or
     a permissions error. The server drops the socket after most of them (e.g. "Maximum
@@ -73,6 +157,10 @@ class _Client(NATS):
     _parse_header_lines = staticmethod(parse_header_lines)
     _pipe: PubAckPipe | None = None
     _direct: dict[int, Callable[[Msg], None]] | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ps = _Parser(self)
 
     def pubacks(self) -> PubAckPipe:
         """This connection's lean JetStream publish path (``meshforge.pubacks``)."""
@@ -104,11 +192,29 @@ class _Client(NATS):
         self._direct = {k: v for k, v in (self._direct or {}).items() if k in live}
         self._direct[sid] = deliver
 
-    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+    def _deliver_now(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> bool:
+        """Hand a PubAck to the pipe, or a message without a status to its direct
+        subscriber, at once; False for any other (``_process_msg`` takes it)."""
         pipe = self._pipe
         if pipe is not None and sid == pipe.sid:
             pipe.on_reply(subject, data, headers)
-            return
+            return True
+        deliver = self._direct.get(sid) if self._direct is not None else None
+        if deliver is None or sid not in self._subs:
+            return False
+        if headers is None:
+            hdr = None
+        elif len(headers) <= _HDR_LINE or headers[_HDR_LINE] == _SPACE:
+            return False  # a status (or no header line at all): nats-py's way
+        else:  # what nats-py's _process_headers gives for a block without a status
+            hdr = parse_header_lines(headers[_HDR_START:]) or None if len(headers) > _HDR_START else None
+        self.stats["in_msgs"] += 1
+        self.stats["in_bytes"] += len(data)
+        deliver(self._build_message(sid, subject, reply, data, hdr))
+        return True
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+        # What _deliver_now left: a status for a direct subscriber, or any other message.
         deliver = self._direct.get(sid) if self._direct is not None else None
         if deliver is None or sid not in self._subs:
             await super()._process_msg(sid, subject, reply, data, headers)
