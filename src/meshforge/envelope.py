@@ -54,6 +54,7 @@ H_CORRELATION = "Correlation-Id"
 # always give the same id, so a re-published output is the same message.
 _ID_NAMESPACE = uuid.UUID("6d657368-666f-7267-6500-000000000001").bytes
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
+_NO_TRACE, _NO_SPAN = "0" * 32, "0" * 16
 _JSON_ENCODER = msgspec.json.Encoder()
 _JSON_DECODER = msgspec.json.Decoder()
 
@@ -92,9 +93,12 @@ def parse_traceparent(value: str | None) -> tuple[str, str] | None:
     if not value:
         return None
     m = _TRACEPARENT.fullmatch(value.strip().lower())
-    if not m or m.group(1) == "0" * 32 or m.group(2) == "0" * 16:
+    if m is None:
         return None
-    return m.group(1), m.group(2)
+    trace_id, span_id = m.groups()
+    if trace_id == _NO_TRACE or span_id == _NO_SPAN:
+        return None
+    return trace_id, span_id
 
 
 _STR_FIELDS = (
@@ -237,6 +241,7 @@ class Outbound:
 # Computed once: ``fields()`` per message was a measurable part of the hot path.
 _FIELD_NAMES = tuple(f.name for f in fields(Envelope) if f.name not in _LOCAL_FIELDS)
 _KNOWN = frozenset(_FIELD_NAMES)
+_STR_OR_NONE = frozenset({str, type(None)})
 
 
 def _valid_ts(value: str) -> bool:
@@ -276,10 +281,11 @@ def decode(
         raise MalformedMessage("envelope lacks 'payload'")
     if not isinstance(obj["payload"], dict):
         raise MalformedMessage(f"'payload' is a JSON {type(obj['payload']).__name__}, expected an object")
-    for name in _STR_FIELDS:
-        value = obj.get(name)
-        if value is not None and not isinstance(value, str):
-            raise MalformedMessage(f"'{name}' must be a string, got {type(value).__name__}")
+    if not _STR_OR_NONE.issuperset(map(type, map(obj.get, _STR_FIELDS))):  # one C pass
+        for name in _STR_FIELDS:
+            value = obj.get(name)
+            if value is not None and not isinstance(value, str):
+                raise MalformedMessage(f"'{name}' must be a string, got {type(value).__name__}")
     if not obj["type"]:
         raise MalformedMessage("'type' is empty")
     epoch = obj.get("expected_node_epoch")
@@ -290,7 +296,7 @@ def decode(
         if value and not _valid_ts(value):
             raise MalformedMessage(f"'{name}' is not an RFC 3339 timestamp: {value[:64]!r}")
 
-    extra = {k: v for k, v in obj.items() if k not in _KNOWN}
+    extra = {} if _KNOWN.issuperset(obj) else {k: v for k, v in obj.items() if k not in _KNOWN}
     env_id = obj.get("id") or h.get(H_MSG_ID) or uuid5_str(_ID_NAMESPACE, bytes(data).hex())
     trace = parse_traceparent(h.get(H_TRACEPARENT))
     return Envelope(
