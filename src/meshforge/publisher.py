@@ -379,7 +379,9 @@ class Publisher:
                 outcomes[index] = refused
                 ready.append(item)
         attempts = [0] * len(items)
-        stored: dict[str, int] = {}  # stream -> messages stored, counted once per call
+        # stream -> messages stored (or found duplicate), counted once per call
+        stored: dict[str, int] = {}
+        duplicates: dict[str, int] = {}
         round_ = 0
         while pending:
             round_ += 1
@@ -389,10 +391,8 @@ class Publisher:
                 attempts[index] += 1
                 if isinstance(answer, PubAck):
                     duplicate = bool(answer.duplicate)
-                    if not duplicate:
-                        stored[answer.stream] = stored.get(answer.stream, 0) + 1
-                    else:
-                        self.metrics.publish_duplicates.labels(stream=answer.stream).inc()
+                    counts = duplicates if duplicate else stored
+                    counts[answer.stream] = counts.get(answer.stream, 0) + 1
                     outcomes[index] = PublishResult(
                         answer.stream, answer.seq, duplicate, ready[index].msg_id
                     )
@@ -409,6 +409,8 @@ class Publisher:
                 await asyncio.sleep(self._delay(round_))  # backoff before the next round
         for stream, count in stored.items():
             self.metrics.published.labels(stream=stream).inc(count)
+        for stream, count in duplicates.items():
+            self.metrics.publish_duplicates.labels(stream=stream).inc(count)
         return [o for o in outcomes if o is not None]
 
     async def _pipeline(
