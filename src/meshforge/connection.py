@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import ssl
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -74,75 +75,88 @@ _HDR_START = _HDR_LINE + CRLF_SIZE
 _SPACE = ord(" ")
 
 
+# nats-py's own patterns, without the anchor that ties them to the start of the buffer.
+_MSG = re.compile(MSG_RE.pattern.removeprefix(b"\\A"))
+_HMSG = re.compile(HMSG_RE.pattern.removeprefix(b"\\A"))
+
+
 class _Parser(Parser):
     """nats-py's protocol parser with a quicker path for messages, nearly all a worker
-    reads: one match and one buffer cut per message, and the client's synchronous hand-off
-    (``_Client._deliver_now``) where nats-py awaits a coroutine per message. Every other
-    protocol line goes through nats-py's own parser, one line at a time."""
+    reads: each read is parsed in place (one match and one copy per message) and handed
+    to the client's synchronous ``_Client._deliver_now`` where nats-py awaits a coroutine
+    per message. Every other protocol line goes through nats-py's own parser, one line at
+    a time; a part of a message or line waits in ``buf`` for the next read."""
 
     async def parse(self, data: bytes = b"") -> None:
         buf = self.buf
-        buf.extend(data)
+        if buf:
+            buf.extend(data)
+            data = bytes(buf)
+            buf.clear()
         nc = self.nc
-        while buf:
+        pos, size = 0, len(data)
+        while pos < size:
             if self.state == AWAITING_MSG_PAYLOAD:
-                start, needed, hsize = 0, self.needed, self.header_needed
-                if len(buf) < needed + CRLF_SIZE:
-                    return
+                needed, hsize = self.needed, self.header_needed
+                if size - pos < needed + CRLF_SIZE:
+                    break
                 arg = self.msg_arg
                 subject, sid, reply = arg["subject"], arg["sid"], arg["reply"]
                 self.state, self.header_needed = AWAITING_CONTROL_LINE, 0
             else:
-                if buf.startswith(b"HMSG"):
-                    m = HMSG_RE.match(buf)
+                if data.startswith(b"HMSG", pos):
+                    m = _HMSG.match(data, pos)
                     if m is not None:
                         subject, sid_b, _, reply, hsize_b, needed_b = m.groups()
                         hsize = int(hsize_b)
-                elif buf.startswith(b"MSG"):
-                    m = MSG_RE.match(buf)
+                elif data.startswith(b"MSG", pos):
+                    m = _MSG.match(data, pos)
                     if m is not None:
                         subject, sid_b, _, reply, needed_b = m.groups()
                         hsize = 0
                 else:
                     m = None
                 if m is None:
-                    if not await self._one_line():
-                        return
-                    buf = self.buf
+                    end = data.find(b"\r\n", pos)
+                    if end < 0:
+                        break
+                    taken = await self._one_line(data[pos : end + CRLF_SIZE])
+                    if self.buf is not buf:
+                        return  # reset meanwhile: what was read before is gone
+                    if not taken:
+                        break
+                    pos = end + CRLF_SIZE
                     continue
-                sid, needed, start, reply = int(sid_b), int(needed_b), m.end(), reply or b""
-                if len(buf) < start + needed + CRLF_SIZE:
-                    del buf[:start]
+                sid, needed, pos, reply = int(sid_b), int(needed_b), m.end(), reply or b""
+                if size - pos < needed + CRLF_SIZE:
                     self.msg_arg.update(subject=subject, sid=sid, reply=reply)
                     self.needed, self.header_needed = needed, hsize
                     self.state = AWAITING_MSG_PAYLOAD
-                    return
+                    break
             if hsize > 0:
-                hdr: bytes | None = bytes(buf[start : start + hsize])
-                payload = bytes(buf[start + hsize : start + needed])
+                hdr: bytes | None = data[pos : pos + hsize]
+                payload = data[pos + hsize : pos + needed]
             else:
-                hdr, payload = None, bytes(buf[start : start + needed])
-            del buf[: start + needed + CRLF_SIZE]
+                hdr, payload = None, data[pos : pos + needed]
+            pos += needed + CRLF_SIZE
             if not nc._deliver_now(sid, subject, reply, payload, hdr):
                 await nc._process_msg(sid, subject, reply, payload, hdr)
-                buf = self.buf  # a new one if the client reset the parser meanwhile
+                if self.buf is not buf:
+                    return
+        if pos < size:
+            buf.extend(data[pos:])
 
-    async def _one_line(self) -> bool:
-        """Hand nats-py's parser the next protocol line alone; False when it took nothing
-        (the line is not complete yet, or nats-py waits too)."""
+    async def _one_line(self, line: bytes) -> bool:
+        """Hand nats-py's parser one protocol line; False when it took nothing."""
         buf = self.buf
-        end = buf.find(b"\r\n")
-        if end < 0:
-            return False
-        rest = bytes(buf[end + CRLF_SIZE :])
-        del buf[end + CRLF_SIZE :]
-        before = len(buf)
+        buf.extend(line)
         await super().parse()
-        if self.buf is not buf:  # reset meanwhile: what was read before is gone
-            return bool(self.buf)
-        took = len(buf) < before
-        buf.extend(rest)
-        return took
+        if self.buf is not buf:
+            return True
+        if buf:  # nats-py waits for more (a line it cannot read yet): keep it
+            buf.clear()
+            return False
+        return True
 
 
 class _Client(NATS):
