@@ -41,6 +41,7 @@ Answer = PubAck | BaseException
 _KEY_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token, as nats-py checks
 _VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 _known_keys: dict[str, bool] = {}
+_good_keys: set[str] = set()  # the names in _known_keys that are good
 _OTHER_SPACES = "\t\x0b\x0c\x1c\x1d\x1e\x1f"  # ASCII whitespace str.strip() removes, but ' \r\n'
 _STATUS_AT = len(b"NATS/1.0 ")
 
@@ -58,7 +59,7 @@ def encode_headers(headers: Mapping[str, str]) -> bytes:
         and ":  " not in text
         and " \r" not in text
         and not any([c in text for c in _OTHER_SPACES])
-        and all([_known_keys.get(k) for k in headers])
+        and _good_keys.issuperset(headers)
     ):
         return b"NATS/1.0\r\n" + text.encode() + b"\r\n"
     lines = ["NATS/1.0\r\n"]
@@ -71,6 +72,8 @@ def encode_headers(headers: Mapping[str, str]) -> bytes:
             ok = bool(_KEY_RE.fullmatch(key))
             if len(_known_keys) < 1024:
                 _known_keys[key] = ok
+                if ok:
+                    _good_keys.add(key)
         if not ok:
             raise nats.errors.BadHeaderError(key)
         lines.append(f"{key}: {v.strip().translate(_VALUE_NEWLINES)}\r\n")
