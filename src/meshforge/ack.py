@@ -36,7 +36,7 @@ from meshforge.decisions import (
 )
 from meshforge.errors import one_line
 from meshforge.faults import crash_point
-from meshforge.observability import Metrics
+from meshforge.observability import Metrics, observe_many
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -140,8 +140,7 @@ class Acker:
     def _count_acked(self, deliveries: Sequence[Delivery]) -> None:
         self._acked.inc(len(deliveries))
         now = time.time()
-        for delivery in deliveries:
-            self._e2e.observe(max(0.0, now - delivery.timestamp.timestamp()))
+        observe_many(self._e2e, [max(0.0, now - d.timestamp.timestamp()) for d in deliveries])
 
     async def _dead_letter(self, delivery: Delivery, decision: Decision) -> None:
         from meshforge.deadletter import dead_letter

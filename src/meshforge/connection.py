@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import ssl
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -20,6 +21,14 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.protocol.parser import (
+    AWAITING_CONTROL_LINE,
+    AWAITING_MSG_PAYLOAD,
+    CRLF_SIZE,
+    HMSG_RE,
+    MSG_RE,
+    Parser,
+)
 
 from meshforge.config import Settings, load_settings
 from meshforge.connect_retry import attempt_connect, close_bounded, retry_connect
@@ -61,6 +70,95 @@ def _auth_options(settings: Settings) -> dict[str, Any]:
     return nats_auth_options(settings_auth(settings))
 
 
+_HDR_LINE = len(b"NATS/1.0")  # a header block's first line; a space after it: a status
+_HDR_START = _HDR_LINE + CRLF_SIZE
+_SPACE = ord(" ")
+
+
+# nats-py's own patterns, without the anchor that ties them to the start of the buffer.
+_MSG = re.compile(MSG_RE.pattern.removeprefix(b"\\A"))
+_HMSG = re.compile(HMSG_RE.pattern.removeprefix(b"\\A"))
+
+
+class _Parser(Parser):
+    """nats-py's protocol parser with a quicker path for messages, nearly all a worker
+    reads: each read is parsed in place (one match and one copy per message) and handed
+    to the client's synchronous ``_Client._deliver_now`` where nats-py awaits a coroutine
+    per message. Every other protocol line goes through nats-py's own parser, one line at
+    a time; a part of a message or line waits in ``buf`` for the next read."""
+
+    async def parse(self, data: bytes = b"") -> None:
+        buf = self.buf
+        if buf:
+            buf.extend(data)
+            data = bytes(buf)
+            buf.clear()
+        nc = self.nc
+        pos, size = 0, len(data)
+        while pos < size:
+            if self.state == AWAITING_MSG_PAYLOAD:
+                needed, hsize = self.needed, self.header_needed
+                if size - pos < needed + CRLF_SIZE:
+                    break
+                arg = self.msg_arg
+                subject, sid, reply = arg["subject"], arg["sid"], arg["reply"]
+                self.state, self.header_needed = AWAITING_CONTROL_LINE, 0
+            else:
+                if data.startswith(b"HMSG", pos):
+                    m = _HMSG.match(data, pos)
+                    if m is not None:
+                        subject, sid_b, _, reply, hsize_b, needed_b = m.groups()
+                        hsize = int(hsize_b)
+                elif data.startswith(b"MSG", pos):
+                    m = _MSG.match(data, pos)
+                    if m is not None:
+                        subject, sid_b, _, reply, needed_b = m.groups()
+                        hsize = 0
+                else:
+                    m = None
+                if m is None:
+                    end = data.find(b"\r\n", pos)
+                    if end < 0:
+                        break
+                    taken = await self._one_line(data[pos : end + CRLF_SIZE])
+                    if self.buf is not buf:
+                        return  # reset meanwhile: what was read before is gone
+                    if not taken:
+                        break
+                    pos = end + CRLF_SIZE
+                    continue
+                sid, needed, pos, reply = int(sid_b), int(needed_b), m.end(), reply or b""
+                if size - pos < needed + CRLF_SIZE:
+                    self.msg_arg.update(subject=subject, sid=sid, reply=reply)
+                    self.needed, self.header_needed = needed, hsize
+                    self.state = AWAITING_MSG_PAYLOAD
+                    break
+            if hsize > 0:
+                hdr: bytes | None = data[pos : pos + hsize]
+                payload = data[pos + hsize : pos + needed]
+            else:
+                hdr, payload = None, data[pos : pos + needed]
+            pos += needed + CRLF_SIZE
+            if not nc._deliver_now(sid, subject, reply, payload, hdr):
+                await nc._process_msg(sid, subject, reply, payload, hdr)
+                if self.buf is not buf:
+                    return
+        if pos < size:
+            buf.extend(data[pos:])
+
+    async def _one_line(self, line: bytes) -> bool:
+        """Hand nats-py's parser one protocol line; False when it took nothing."""
+        buf = self.buf
+        buf.extend(line)
+        await super().parse()
+        if self.buf is not buf:
+            return True
+        if buf:  # nats-py waits for more (a line it cannot read yet): keep it
+            buf.clear()
+            return False
+        return True
+
+
 class _Client(NATS):
     """nats-py closes the client for good on any server ``-ERR`` but a stale connection or
     a permissions error. The server drops the socket after most of them (e.g. "Maximum
@@ -73,6 +171,10 @@ class _Client(NATS):
     _parse_header_lines = staticmethod(parse_header_lines)
     _pipe: PubAckPipe | None = None
     _direct: dict[int, Callable[[Msg], None]] | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ps = _Parser(self)
 
     def pubacks(self) -> PubAckPipe:
         """This connection's lean JetStream publish path (``meshforge.pubacks``)."""
@@ -104,11 +206,29 @@ class _Client(NATS):
         self._direct = {k: v for k, v in (self._direct or {}).items() if k in live}
         self._direct[sid] = deliver
 
-    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+    def _deliver_now(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> bool:
+        """Hand a PubAck to the pipe, or a message without a status to its direct
+        subscriber, at once; False for any other (``_process_msg`` takes it)."""
         pipe = self._pipe
         if pipe is not None and sid == pipe.sid:
             pipe.on_reply(subject, data, headers)
-            return
+            return True
+        deliver = self._direct.get(sid) if self._direct is not None else None
+        if deliver is None or sid not in self._subs:
+            return False
+        if headers is None:
+            hdr = None
+        elif len(headers) <= _HDR_LINE or headers[_HDR_LINE] == _SPACE:
+            return False  # a status (or no header line at all): nats-py's way
+        else:  # what nats-py's _process_headers gives for a block without a status
+            hdr = parse_header_lines(headers[_HDR_START:]) or None if len(headers) > _HDR_START else None
+        self.stats["in_msgs"] += 1
+        self.stats["in_bytes"] += len(data)
+        deliver(self._build_message(sid, subject, reply, data, hdr))
+        return True
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+        # What _deliver_now left: a status for a direct subscriber, or any other message.
         deliver = self._direct.get(sid) if self._direct is not None else None
         if deliver is None or sid not in self._subs:
             await super()._process_msg(sid, subject, reply, data, headers)

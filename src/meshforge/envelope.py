@@ -54,6 +54,7 @@ H_CORRELATION = "Correlation-Id"
 # always give the same id, so a re-published output is the same message.
 _ID_NAMESPACE = uuid.UUID("6d657368-666f-7267-6500-000000000001").bytes
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
+_NO_TRACE, _NO_SPAN = "0" * 32, "0" * 16
 _JSON_ENCODER = msgspec.json.Encoder()
 _JSON_DECODER = msgspec.json.Decoder()
 
@@ -94,9 +95,12 @@ def parse_traceparent(value: str | None) -> tuple[str, str] | None:
     if not value:
         return None
     m = _TRACEPARENT.fullmatch(value.strip().lower())
-    if not m or m.group(1) == "0" * 32 or m.group(2) == "0" * 16:
+    if m is None:
         return None
-    return m.group(1), m.group(2)
+    trace_id, span_id = m.groups()
+    if trace_id == _NO_TRACE or span_id == _NO_SPAN:
+        return None
+    return trace_id, span_id
 
 
 _STR_FIELDS = (
@@ -283,6 +287,7 @@ _KNOWN = frozenset(_FIELD_NAMES)
 # others it leaves to ``child``).
 _CHILD_FIELDS = frozenset(("source", "tenant_id", "resource_type", "resource_id", "trace_id", "ts"))
 _LOWER_HEX = frozenset("0123456789abcdef")
+_STR_OR_NONE = frozenset({str, type(None)})
 
 
 def _valid_ts(value: str) -> bool:
@@ -322,41 +327,43 @@ def decode(
         raise MalformedMessage("envelope lacks 'payload'")
     if not isinstance(obj["payload"], dict):
         raise MalformedMessage(f"'payload' is a JSON {type(obj['payload']).__name__}, expected an object")
-    for name in _STR_FIELDS:
-        value = obj.get(name)
-        if value is not None and not isinstance(value, str):
-            raise MalformedMessage(f"'{name}' must be a string, got {type(value).__name__}")
+    get, hget = obj.get, h.get
+    if not _STR_OR_NONE.issuperset(map(type, map(get, _STR_FIELDS))):  # one C pass
+        for name in _STR_FIELDS:
+            value = get(name)
+            if value is not None and not isinstance(value, str):
+                raise MalformedMessage(f"'{name}' must be a string, got {type(value).__name__}")
     if not obj["type"]:
         raise MalformedMessage("'type' is empty")
-    epoch = obj.get("expected_node_epoch")
+    epoch = get("expected_node_epoch")
     if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
         raise MalformedMessage(f"'expected_node_epoch' must be an integer, got {epoch!r}")
     for name in ("ts", "not_before_ts", "deadline_ts"):
-        value = obj.get(name)
+        value = get(name)
         if value and not _valid_ts(value):
             raise MalformedMessage(f"'{name}' is not an RFC 3339 timestamp: {value[:64]!r}")
 
-    extra = {k: v for k, v in obj.items() if k not in _KNOWN}
-    env_id = obj.get("id") or h.get(H_MSG_ID) or uuid5_str(_ID_NAMESPACE, bytes(data).hex())
-    trace = parse_traceparent(h.get(H_TRACEPARENT))
+    extra = {} if _KNOWN.issuperset(obj) else {k: v for k, v in obj.items() if k not in _KNOWN}
+    env_id = get("id") or hget(H_MSG_ID) or uuid5_str(_ID_NAMESPACE, bytes(data).hex())
+    trace = parse_traceparent(hget(H_TRACEPARENT))
     return Envelope(
         id=env_id,
         type=obj["type"],
         payload=obj["payload"],
-        source=obj.get("source") or "",
-        tenant_id=h.get(H_TENANT) or obj.get("tenant_id") or "default",
-        resource_type=obj.get("resource_type"),
-        resource_id=obj.get("resource_id"),
-        idempotency_key=h.get(H_IDEMPOTENCY) or obj.get("idempotency_key") or env_id,
-        causation_id=h.get(H_CAUSATION) or obj.get("causation_id"),
-        correlation_id=h.get(H_CORRELATION) or obj.get("correlation_id"),
-        trace_id=trace[0] if trace else obj.get("trace_id"),
-        span_id=trace[1] if trace else obj.get("span_id"),
-        ts=obj.get("ts") or (default_ts() if callable(default_ts) else default_ts) or now_ts(),
-        schema_version=h.get(H_SCHEMA) or obj.get("schema_version") or SCHEMA_VERSION,
-        not_before_ts=obj.get("not_before_ts"),
-        deadline_ts=obj.get("deadline_ts"),
+        source=get("source") or "",
+        tenant_id=hget(H_TENANT) or get("tenant_id") or "default",
+        resource_type=get("resource_type"),
+        resource_id=get("resource_id"),
+        idempotency_key=hget(H_IDEMPOTENCY) or get("idempotency_key") or env_id,
+        causation_id=hget(H_CAUSATION) or get("causation_id"),
+        correlation_id=hget(H_CORRELATION) or get("correlation_id"),
+        trace_id=trace[0] if trace else get("trace_id"),
+        span_id=trace[1] if trace else get("span_id"),
+        ts=get("ts") or (default_ts() if callable(default_ts) else default_ts) or now_ts(),
+        schema_version=hget(H_SCHEMA) or get("schema_version") or SCHEMA_VERSION,
+        not_before_ts=get("not_before_ts"),
+        deadline_ts=get("deadline_ts"),
         expected_node_epoch=epoch,
         extra=extra,
-        body_tenant_id=obj.get("tenant_id") or None,
+        body_tenant_id=get("tenant_id") or None,
     )

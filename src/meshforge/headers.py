@@ -4,7 +4,8 @@ nats-py parses every received message's header block in ``Client._parse_header_l
 and checks each header name for whitespace with a generator over its characters: about
 80 Python-level calls per MeshForge message, the largest single cost of receiving one.
 ``parse_header_lines`` gives the same dict (same skipped lines, same decoding) with one
-``str.split`` per name instead; MeshForge's client class (``meshforge.connection``) uses it.
+``str.split`` per name instead (and for a block of printable ASCII, the usual one, one decode
+for the whole block); MeshForge's client class (``meshforge.connection``) uses it.
 
 Example::
 
@@ -24,6 +25,27 @@ _NATS_PARSER = Client.__dict__.get("_parse_header_lines")
 
 def parse_header_lines(raw: bytes) -> dict[str, str]:
     """``Name: Value`` lines to a dict, exactly as nats-py's own parser does."""
+    try:
+        lines = raw.decode("ascii").split("\r\n")
+    except UnicodeDecodeError:
+        return _parse_any(raw)
+    if not "".join(lines).isprintable():
+        return _parse_any(raw)
+    # Printable ASCII only: a space is the one whitespace a name or value can hold.
+    out: dict[str, str] = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if not sep:
+            continue
+        if " " in name:
+            name = name.strip()
+            if " " in name:
+                continue
+        out[name] = value.strip()
+    return out
+
+
+def _parse_any(raw: bytes) -> dict[str, str]:
     out: dict[str, str] = {}
     for line in raw.split(_CRLF):
         name, sep, value = line.partition(b":")
@@ -38,4 +60,3 @@ def parse_header_lines(raw: bytes) -> dict[str, str]:
             continue
         out[key] = value.strip().decode("utf-8", "replace")
     return out
-

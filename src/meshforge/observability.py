@@ -20,6 +20,8 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import bisect
+import collections
 import contextlib
 import errno
 import json as jsonlib
@@ -56,6 +58,7 @@ __all__ = [
     "current_trace",
     "extract_context",
     "inject_trace",
+    "observe_many",
     "serve_http",
 ]
 
@@ -175,6 +178,25 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
         return generate_latest(self.registry)
+
+
+def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
+    """``histogram.observe`` each of ``amounts`` (a labelled child): the same sum and bucket
+    counts, with one increment per bucket touched instead of two per amount (a batch of
+    acks records its latencies at once)."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None:  # another prometheus_client
+        for amount in amounts:
+            histogram.observe(amount)
+        return
+    # observe() counts an amount in the first bucket whose bound is >= it.
+    counts = collections.Counter([bisect.bisect_left(bounds, amount) for amount in amounts])
+    total.inc(sum(amounts))
+    for index, count in counts.items():
+        if index < len(buckets):
+            buckets[index].inc(count)
 
 
 def _safe(check: Callable[[], bool]) -> bool:

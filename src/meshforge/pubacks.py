@@ -7,7 +7,9 @@ its PubAck, and a dataclass built field by field from the reply. ``PubAckPipe`` 
 window of messages as one buffer and files each PubAck into the caller's list by a
 counter token; MeshForge's client class (``meshforge.connection``) hands it the replies
 before nats-py would build a message for them. The answers are nats-py's own types (a
-``PubAck``, or the error nats-py would raise), so callers classify them as before.
+``PubAck``, or the error nats-py would raise), so callers classify them as before; a
+message whose headers and body together exceed ``max_payload`` is refused with nats-py's
+``MaxPayloadError`` too (nats-py would send it, and the server drop the connection).
 
 Example (what ``Publisher.publish_many`` does on a MeshForge connection)::
 
@@ -22,13 +24,14 @@ import json
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 import nats.js.errors
 from nats.js.api import PubAck
 
-from meshforge.envelope import Outbound
+if TYPE_CHECKING:
+    from meshforge.publisher import Message
 
 __all__ = ["PubAckPipe", "encode_headers"]
 
@@ -38,6 +41,7 @@ Answer = PubAck | BaseException
 _KEY_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token, as nats-py checks
 _VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 _known_keys: dict[str, bool] = {}
+_good_keys: set[str] = set()  # the names in _known_keys that are good
 _OTHER_SPACES = "\t\x0b\x0c\x1c\x1d\x1e\x1f"  # ASCII whitespace str.strip() removes, but ' \r\n'
 _STATUS_AT = len(b"NATS/1.0 ")
 
@@ -55,7 +59,7 @@ def encode_headers(headers: Mapping[str, str]) -> bytes:
         and ":  " not in text
         and " \r" not in text
         and not any([c in text for c in _OTHER_SPACES])
-        and all([_known_keys.get(k) for k in headers])
+        and _good_keys.issuperset(headers)
     ):
         return b"NATS/1.0\r\n" + text.encode() + b"\r\n"
     lines = ["NATS/1.0\r\n"]
@@ -68,6 +72,8 @@ def encode_headers(headers: Mapping[str, str]) -> bytes:
             ok = bool(_KEY_RE.fullmatch(key))
             if len(_known_keys) < 1024:
                 _known_keys[key] = ok
+                if ok:
+                    _good_keys.add(key)
         if not ok:
             raise nats.errors.BadHeaderError(key)
         lines.append(f"{key}: {v.strip().translate(_VALUE_NEWLINES)}\r\n")
@@ -75,10 +81,18 @@ def encode_headers(headers: Mapping[str, str]) -> bytes:
     return "".join(lines).encode()
 
 
+# A PubAck as the server writes it, stored or duplicate; anything else is read as JSON.
+_PLAIN_ACK = re.compile(rb'\{"stream":"([!#-\[\]-~]+)","seq":(0|[1-9][0-9]*)(,"duplicate": ?true)?\}')
+
+
 def _answer(data: bytes, headers: bytes | None) -> Answer:
     """A PubAck, or the error nats-py's ``publish_async`` would have set."""
     if headers and headers[_STATUS_AT : _STATUS_AT + 3] == b"503":
         return nats.js.errors.NoStreamResponseError()
+    plain = _PLAIN_ACK.fullmatch(data)
+    if plain is not None:
+        stream, seq, duplicate = plain.groups()
+        return PubAck(stream=stream.decode(), seq=int(seq), duplicate=True if duplicate else None)
     try:
         resp = json.loads(data)
         if "error" in resp:
@@ -151,7 +165,7 @@ class PubAckPipe:
             call.settle(index, _answer(data, headers))
 
     async def publish(
-        self, items: Sequence[Outbound], *, max_in_flight: int, answer_within: float
+        self, items: Sequence[Message], *, max_in_flight: int, answer_within: float
     ) -> list[Answer]:
         """Send every item in order, at most ``max_in_flight`` PubAcks outstanding; one
         answer per item. A PubAck not back ``answer_within`` seconds after its message left
@@ -183,38 +197,42 @@ class PubAckPipe:
         return [a if a is not None else nats.errors.TimeoutError() for a in call.answers]
 
     def _encode(
-        self, call: _Call, items: Sequence[Outbound], start: int, end: int
+        self, call: _Call, items: Sequence[Message], start: int, end: int
     ) -> tuple[list[bytes], bytes]:
         """The reply tokens and the HPUB commands of items ``start`` to ``end``; an item
         refused before sending gets its answer at once."""
         nc = self._nc
         refused = self._refused(nc)
+        if refused is not None:
+            for index in range(start, end):
+                call.answers[index] = refused
+            return [], b""
         prefix = self._prefix
+        max_payload = nc._max_payload
         tokens: list[bytes] = []
         parts: list[bytes] = []
         size = 0
         for index in range(start, end):
             item = items[index]
-            if refused is None:
-                try:
-                    hdr = encode_headers(item.headers)
-                except nats.errors.Error as exc:
-                    call.answers[index] = exc
-                    continue
-                data = item.data
-                if len(data) > nc._max_payload:
-                    call.answers[index] = nats.errors.MaxPayloadError()
-                    continue
-                token = str(self._next).encode()
-                self._next += 1
-                head = f"HPUB {item.subject} ".encode() + prefix + token
-                parts.append(b"%s %d %d\r\n%s%s\r\n" % (head, len(hdr), len(hdr) + len(data), hdr, data))
-                size += len(data)
-                tokens.append(token)
-                self._open[token] = (call, index)
-                call.open += 1
-            else:
-                call.answers[index] = refused
+            try:
+                hdr = encode_headers(item.headers)
+            except nats.errors.Error as exc:
+                call.answers[index] = exc
+                continue
+            data = item.data
+            # Over max_payload (headers count too) the server would drop the connection.
+            if len(hdr) + len(data) > max_payload:
+                call.answers[index] = nats.errors.MaxPayloadError()
+                continue
+            token = b"%d" % self._next
+            self._next += 1
+            parts.append(b"HPUB %s %s%s %d %d\r\n%s%s\r\n" % (
+                item.subject.encode(), prefix, token, len(hdr), len(hdr) + len(data), hdr, data,
+            ))  # fmt: skip
+            size += len(data)
+            tokens.append(token)
+            self._open[token] = (call, index)
+        call.open += len(tokens)
         nc.stats["out_msgs"] += len(parts)
         nc.stats["out_bytes"] += size
         return tokens, b"".join(parts)

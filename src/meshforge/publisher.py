@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import nats.errors
 import nats.js.errors
@@ -42,7 +43,15 @@ from meshforge.pubacks import PubAckPipe
 from meshforge.sizes import DEFAULT_MAX_PAYLOAD, Fitted, SizeLimits, check_fits, fit_message
 from meshforge.subjects import validate_subject
 
-__all__ = ["NO_STREAM_ATTEMPTS", "Fitted", "PublishResult", "Publisher", "SizeLimits", "classify"]
+__all__ = [
+    "NO_STREAM_ATTEMPTS",
+    "Fitted",
+    "Message",
+    "PublishResult",
+    "Publisher",
+    "SizeLimits",
+    "classify",
+]
 
 log = logging.getLogger("meshforge.publisher")
 
@@ -65,6 +74,20 @@ def _subject_ok(subject: str) -> bool:
     except InvalidSubject:
         return False
     return True
+
+
+class Message(Protocol):
+    """What ``publish_many`` sends: an ``Outbound``, or anything with its four fields
+    (the engine hands over its stored outputs as they are)."""
+
+    @property
+    def subject(self) -> str: ...
+    @property
+    def data(self) -> bytes: ...
+    @property
+    def headers(self) -> dict[str, str]: ...
+    @property
+    def msg_id(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +310,7 @@ class Publisher:
 
     # ------------------------------------------------------------------ many
     async def publish_many(
-        self, items: Sequence[Outbound], *, max_in_flight: int = 256
+        self, items: Sequence[Message], *, max_in_flight: int = 256, checked: bool = False
     ) -> list[PublishResult]:
         """Publish many messages pipelined; one result per item, in order.
 
@@ -295,12 +318,14 @@ class Publisher:
         given, so they are stored in that order unless one needs a retry. Raises
         ``PublishError`` naming the index of the first message that failed for good
         (after the others finished); ``publish_each`` returns per-item outcomes instead.
+        ``checked``: the caller already made sure every item fits the size limits (see
+        ``publish_each``).
 
         Example::
 
             results = await publisher.publish_many([Outbound.of(s, env) for env in envs])
         """
-        outcomes = await self.publish_each(items, max_in_flight=max_in_flight)
+        outcomes = await self.publish_each(items, max_in_flight=max_in_flight, checked=checked)
         for index, outcome in enumerate(outcomes):
             if type(outcome) is not PublishResult and isinstance(outcome, PublishError):
                 failed = sum(isinstance(o, PublishError) for o in outcomes)
@@ -313,18 +338,22 @@ class Publisher:
         return outcomes  # type: ignore[return-value]  # no PublishError among them
 
     async def publish_each(
-        self, items: Sequence[Outbound], *, max_in_flight: int = 256
+        self, items: Sequence[Message], *, max_in_flight: int = 256, checked: bool = False
     ) -> list[PublishResult | PublishError]:
         """Like ``publish_many`` but never raises for a message: each item gets its
         ``PublishResult`` or the ``PublishError`` that ended it.
 
         Retriable failures are retried in rounds (all failed messages of a round are
         pipelined again after one backoff), each message within its own attempt budget.
+        ``checked``: the caller already checked every item against ``limits()`` (the
+        engine does, before it stores an output), so an item that carries its id as its
+        ``Nats-Msg-Id`` is not measured again. (On a MeshForge connection a message over
+        ``max_payload`` is still refused before it is sent.)
         """
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         outcomes: list[PublishResult | PublishError | None] = [None] * len(items)
-        ready: list[Outbound] = []
+        ready: list[Message] = []
         pending: list[int] = []
         limits = self.limits()
         good = {subject for subject in {item.subject for item in items} if _subject_ok(subject)}
@@ -337,7 +366,8 @@ class Publisher:
                     and item.msg_id
                     and item.headers.get(H_MSG_ID) == item.msg_id
                 ):
-                    check_fits(item.subject, item.data, item.headers, limits)
+                    if not checked:
+                        check_fits(item.subject, item.data, item.headers, limits)
                     ready.append(item)
                 else:
                     ready.append(
@@ -349,7 +379,9 @@ class Publisher:
                 outcomes[index] = refused
                 ready.append(item)
         attempts = [0] * len(items)
-        stored: dict[str, int] = {}  # stream -> messages stored, counted once per call
+        # stream -> messages stored (or found duplicate), counted once per call
+        stored: dict[str, int] = {}
+        duplicates: dict[str, int] = {}
         round_ = 0
         while pending:
             round_ += 1
@@ -359,10 +391,8 @@ class Publisher:
                 attempts[index] += 1
                 if isinstance(answer, PubAck):
                     duplicate = bool(answer.duplicate)
-                    if not duplicate:
-                        stored[answer.stream] = stored.get(answer.stream, 0) + 1
-                    else:
-                        self.metrics.publish_duplicates.labels(stream=answer.stream).inc()
+                    counts = duplicates if duplicate else stored
+                    counts[answer.stream] = counts.get(answer.stream, 0) + 1
                     outcomes[index] = PublishResult(
                         answer.stream, answer.seq, duplicate, ready[index].msg_id
                     )
@@ -379,10 +409,12 @@ class Publisher:
                 await asyncio.sleep(self._delay(round_))  # backoff before the next round
         for stream, count in stored.items():
             self.metrics.published.labels(stream=stream).inc(count)
+        for stream, count in duplicates.items():
+            self.metrics.publish_duplicates.labels(stream=stream).inc(count)
         return [o for o in outcomes if o is not None]
 
     async def _pipeline(
-        self, items: Sequence[Outbound], max_in_flight: int
+        self, items: Sequence[Message], max_in_flight: int
     ) -> list[PubAck | BaseException]:
         """Send every item in order with at most ``max_in_flight`` PubAcks outstanding.
 

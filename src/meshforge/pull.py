@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -72,6 +73,37 @@ class FetchResult:
     surplus: list[Msg] = field(default_factory=list)
 
 
+class _Mailbox:
+    """The messages the connection handed over, oldest first, and the one fetch waiting
+    for them (a deque and a future: an ``asyncio.Queue`` costs more per message)."""
+
+    __slots__ = ("_waiter", "items")
+
+    def __init__(self) -> None:
+        self.items: deque[Msg | None] = deque()  # None: a stop wake-up
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, msg: Msg | None) -> None:
+        self.items.append(msg)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, seconds: float) -> bool:
+        """Until something is put (True) or ``seconds`` passed (False)."""
+        if self.items:
+            return True
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(seconds):
+                await self._waiter
+        except TimeoutError:
+            return False
+        finally:
+            self._waiter = None
+        return True
+
+
 class PullSource:
     """One durable pull consumer's request/response channel on a private inbox."""
 
@@ -92,7 +124,7 @@ class PullSource:
         self.expires = expires
         self.heartbeat = heartbeat
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
-        self._queue: asyncio.Queue[Msg | None] = asyncio.Queue()  # None: a stop wake-up
+        self._box = _Mailbox()
         self._watching: asyncio.Event | None = None
         self._watcher: asyncio.Future[None] | None = None
         self._sub: Subscription | None = None
@@ -103,15 +135,15 @@ class PullSource:
     async def start(self) -> None:
         """Subscribe the private inbox (a fresh one each time)."""
         self._prefix = self._nc.new_inbox()
-        queue = self._queue
+        box = self._box
 
         async def on_message(msg: Msg) -> None:
-            queue.put_nowait(msg)
+            box.put(msg)
 
         self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=on_message)
         direct = getattr(self._nc, "deliver_direct", None)
-        if direct is not None:  # a MeshForge connection: straight into the queue
-            direct(self._sub._id, queue.put_nowait)
+        if direct is not None:  # a MeshForge connection: straight into the mailbox
+            direct(self._sub._id, box.put)
 
     async def fetch(self, n: int, stop: asyncio.Event | None = None) -> FetchResult:
         """Ask for up to ``n`` messages; return when they came, the server said there are
@@ -145,29 +177,39 @@ class PullSource:
 
     async def _collect(self, reply: str, n: int, stop: asyncio.Event | None) -> FetchResult:
         got: list[Msg] = []
+        items = self._box.items
         start = last = time.monotonic()
         deadline = start + self.expires + _SLACK
+        heard = False  # something came since ``last`` was taken
         while len(got) < n:
-            now = time.monotonic()
-            quiet_until = last + self.heartbeat * _MISSED_HEARTBEATS + _SLACK
-            wait = min(deadline, quiet_until) - now
-            if wait <= 0:
-                if got:
-                    break
-                return FetchResult("silent", detail=f"no answer for {now - last:.1f}s")
-            msg = await self._next(wait)
+            if not items:
+                now = time.monotonic()
+                if heard:  # the messages just taken came a moment ago
+                    last, heard = now, False
+                quiet_until = last + self.heartbeat * _MISSED_HEARTBEATS + _SLACK
+                wait = min(deadline, quiet_until) - now
+                if wait <= 0:
+                    if got:
+                        break
+                    return FetchResult("silent", detail=f"no answer for {now - last:.1f}s")
+                if not await self._box.wait(wait):
+                    if stop is not None and stop.is_set():
+                        return FetchResult("stopped", got)
+                    continue
+            msg = items.popleft()
             if msg is None:
                 if stop is not None and stop.is_set():
                     return FetchResult("stopped", got)
                 continue
-            status = (msg.headers or {}).get(_STATUS)
+            headers = msg.headers
+            status = headers.get(_STATUS) if headers else None
             if not status:
                 got.append(msg)
-                last = time.monotonic()
+                heard = True
                 continue
             if msg.subject != reply:
                 continue  # a late status for a request we already gave up on
-            last = time.monotonic()
+            heard = True
             if status == _HEARTBEAT:
                 continue
             description = (msg.headers or {}).get(_DESCRIPTION, "")
@@ -178,40 +220,27 @@ class PullSource:
             return FetchResult("error", detail=f"{status} {description}".strip(), status=status)
         return FetchResult("messages" if got else "empty", got)
 
-    async def _next(self, wait: float) -> Msg | None:
-        """The next message, or None after ``wait`` seconds or when woken (``_watch``).
-
-        No task or future per call: this runs for every message received.
-        """
-        queue = self._queue
-        if queue.empty():
-            try:
-                async with asyncio.timeout(wait):
-                    return await queue.get()
-            except TimeoutError:
-                return None
-        return queue.get_nowait()
-
     def _watch(self, stop: asyncio.Event | None) -> None:
-        """Wake a waiting ``_next`` when ``stop`` is set: one task per event, not per fetch."""
+        """Wake a waiting fetch when ``stop`` is set: one task per event, not per fetch."""
         if stop is None or (self._watching is stop and self._watcher is not None and not self._watcher.done()):
             return
         if self._watcher is not None:
             self._watcher.cancel()
         self._watching = stop
-        queue = self._queue
+        box = self._box
 
         async def watch() -> None:
             await stop.wait()
-            queue.put_nowait(None)
+            box.put(None)
 
         self._watcher = asyncio.ensure_future(watch())
 
     def _drain_local(self) -> list[Msg]:
         """Data messages waiting locally; stale statuses are dropped."""
         messages: list[Msg] = []
-        while not self._queue.empty():
-            msg = self._queue.get_nowait()
+        items = self._box.items
+        while items:
+            msg = items.popleft()
             if msg is not None and not (msg.headers or {}).get(_STATUS):
                 messages.append(msg)
         return messages

@@ -11,6 +11,8 @@ import urllib.request
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshforge.observability import (
     Metrics,
@@ -19,6 +21,7 @@ from meshforge.observability import (
     consumer_span,
     current_trace,
     inject_trace,
+    observe_many,
     serve_http,
 )
 
@@ -148,3 +151,19 @@ async def test_http_endpoint_serves_health_readiness_and_metrics() -> None:
         assert code == 404
     finally:
         await endpoint.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.001, 0.0011, 0.5, 60.0, 61.0]) | st.floats(0, 100), max_size=40))
+def test_observe_many_records_what_observing_each_records(amounts: list[float]) -> None:
+    one, many = Metrics(), Metrics()
+    child = one.end_to_end_seconds.labels(consumer="c")
+    for amount in amounts:
+        child.observe(amount)
+    observe_many(many.end_to_end_seconds.labels(consumer="c"), amounts)
+
+    def samples(m: Metrics) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name, s.labels, round(s.value, 6)) for f in m.end_to_end_seconds.collect() for s in f.samples
+                if not s.name.endswith("_created")]  # fmt: skip
+
+    assert samples(one) == samples(many)

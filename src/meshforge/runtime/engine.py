@@ -44,7 +44,7 @@ from meshforge.decisions import (
     backoff_delay,
     decide,
 )
-from meshforge.envelope import H_MSG_ID, Envelope, Outbound
+from meshforge.envelope import H_MSG_ID, Envelope
 from meshforge.errors import InvalidSubject, PublishError, StoreError, Unrecoverable, one_line
 from meshforge.faults import crash_point
 from meshforge.observability import Metrics
@@ -194,11 +194,7 @@ class Engine(Generic[S]):
         if plan.duplicates:
             self.metrics.duplicates_skipped.labels(consumer=self.consumer).inc(plan.duplicates)
         done = plan.done
-        items = [
-            Outbound(subject=o.subject, data=o.data, headers=o.headers, msg_id=o.msg_id)
-            for w in done
-            for o in w.outputs
-        ]
+        items = [o for w in done for o in w.outputs]  # published as they were stored
 
         def sent() -> None:
             self._marks.add([(w.scope, w.env.key) for w in done if w.fresh])

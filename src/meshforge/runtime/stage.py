@@ -20,10 +20,9 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from meshforge.envelope import Outbound
 from meshforge.errors import PublishError
 from meshforge.faults import crash_point
-from meshforge.publisher import Publisher
+from meshforge.publisher import Message, Publisher
 
 __all__ = ["PublishStage"]
 
@@ -33,7 +32,8 @@ _SPLIT_AT = 8  # outputs in a group from which it is published in two halves
 
 
 class PublishStage:
-    """A FIFO of publish jobs, one per committed group."""
+    """A FIFO of publish jobs, one per committed group. Its items are the engine's outputs,
+each checked against the publisher's size limits before it was stored."""
 
     def __init__(self, consumer: str, publisher: Publisher) -> None:
         self.consumer = consumer
@@ -47,7 +47,7 @@ class PublishStage:
 
     def submit(
         self,
-        items: Sequence[Outbound],
+        items: Sequence[Message],
         *,
         on_sent: Callable[[], None],
         on_failed: Callable[[], None],
@@ -66,7 +66,7 @@ class PublishStage:
     async def _job(
         self,
         before: asyncio.Future[None] | None,
-        items: Sequence[Outbound],
+        items: Sequence[Message],
         on_sent: Callable[[], None],
         on_failed: Callable[[], None],
         settle: Sequence[asyncio.Future[None]],
@@ -93,18 +93,19 @@ class PublishStage:
                 if not fut.done():
                     fut.set_result(None)
 
-    async def _publish(self, items: Sequence[Outbound]) -> bool:
+    async def _publish(self, items: Sequence[Message]) -> bool:
         """Publish every item; False when some did not go."""
         if not items:
             return True
         # A small group goes in one round trip (latency); a large one in two halves, the
         # crash suite's view of a group caught half published.
         half = len(items) // 2 if len(items) >= _SPLIT_AT else len(items)
+        # The engine measured every output against the limits before storing it.
         try:
-            await self.publisher.publish_many(items[:half])
+            await self.publisher.publish_many(items[:half], checked=True)
             crash_point("after_partial_publish")
             if items[half:]:
-                await self.publisher.publish_many(items[half:])
+                await self.publisher.publish_many(items[half:], checked=True)
         except PublishError as exc:
             log.warning("%s: publishing outputs failed, batch will be redelivered: %s", self.consumer, exc)
             return False
