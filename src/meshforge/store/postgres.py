@@ -208,8 +208,8 @@ class _Sealed(Runner):
 
     def _ensure_open(self) -> None:
         raise StoreError(
-            "postgresql store: the effects and the event log were sent with the commit;"
-            " nothing but further appends may follow them in the transaction"
+            "postgresql store: the transaction's tail (effects, event log) was sent with the"
+            " commit; nothing but further appends may follow it in the transaction"
         )
 
 
