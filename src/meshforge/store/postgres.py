@@ -20,6 +20,8 @@ Example::
 from __future__ import annotations
 
 import re
+import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
@@ -386,6 +388,32 @@ def parse_url(url: str) -> tuple[str, str | None, int]:
     return make_conninfo(base, **extra), schema, pool_size
 
 
+# A connection that committed this recently is handed out without the pool's check (an
+# empty query: one more round trip per transaction). If the server went away meanwhile,
+# the transaction fails as retriable ("unavailable") and the pool drops the connection.
+_CHECK_AFTER = 1.0
+
+
+class _Checks:
+    """The pool's ``check``: ``check_connection``, unless the connection committed within
+    ``_CHECK_AFTER`` seconds and is idle."""
+
+    def __init__(self) -> None:
+        self._used: weakref.WeakKeyDictionary[psycopg.Connection[Any], float] = weakref.WeakKeyDictionary()
+
+    def __call__(self, conn: psycopg.Connection[Any]) -> None:
+        used = self._used.get(conn)
+        if (
+            used is None
+            or time.monotonic() - used > _CHECK_AFTER
+            or conn.info.transaction_status != pq.TransactionStatus.IDLE
+        ):
+            ConnectionPool.check_connection(conn)
+
+    def committed(self, conn: psycopg.Connection[Any]) -> None:
+        self._used[conn] = time.monotonic()
+
+
 class PostgresStore(SqlStore):
     """The store in a PostgreSQL database (one schema of it)."""
 
@@ -395,6 +423,7 @@ class PostgresStore(SqlStore):
         super().__init__(url, DIALECT, clock)
         conninfo, schema, pool_size = parse_url(url)
         self._pool: ConnectionPool | None = None
+        self._checks = _Checks()
         # A direct first connection gives a clear reason if the server is unreachable.
         try:
             with (
@@ -416,7 +445,7 @@ class PostgresStore(SqlStore):
             min_size=1,
             max_size=pool_size,
             kwargs={"autocommit": True},
-            check=ConnectionPool.check_connection,
+            check=self._checks,
             name="meshforge-store",
             open=False,
         )
@@ -457,6 +486,7 @@ class PostgresStore(SqlStore):
                                     "postgresql store: transaction rolled back because a store"
                                     " error inside it was caught and ignored",
                                 )
+                    self._checks.committed(conn)
                 except psycopg.Error:
                     # A tail that failed leaves its transaction aborted, not committed.
                     if conn.info.transaction_status != pq.TransactionStatus.IDLE:
@@ -471,8 +501,10 @@ class PostgresStore(SqlStore):
         if pool is None:
             raise StoreError("postgresql store is closed", kind="closed")
         try:
-            with pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-                yield cur
+            with pool.connection() as conn:
+                with conn.transaction(), conn.cursor() as cur:
+                    yield cur
+                self._checks.committed(conn)
         except psycopg.Error as exc:
             # Checkout, BEGIN and COMMIT errors; statement errors arrive as StoreError.
             raise _to_store_error(exc) from exc
