@@ -212,7 +212,7 @@ class Envelope:
         if not _CHILD_FIELDS.issuperset(fields_) or (
             base["tenant_id"] == "default"
             and subject.startswith(("cmd.", "evt."))
-            and subject.split(".", 2)[1] not in ("", "default")  # addressed_to would change it
+            and not subject.startswith(("cmd.default.", "evt.default."))  # addressed_to may change it
         ):
             sent = Outbound.of(subject, self.child(type, payload, position, **fields_))
             return sent.msg_id, sent.data, sent.headers

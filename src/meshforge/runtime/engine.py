@@ -375,7 +375,7 @@ class Engine(Generic[S]):
                         outputs = await agent.handle(work.spec, work.env, states[slot])
                 new_state, work.outputs, work.events = build_outputs(
                     agent, work.env, work.resource, d.subject, outputs, states[slot],
-                    self.settings.partitions,
+                    self.settings.partitions, work.scope,
                 )
                 self._check_sizes(work.outputs, limits)
             except Exception as exc:

@@ -22,7 +22,7 @@ import msgspec
 from meshforge.envelope import Envelope, Outbound, now_ts
 from meshforge.partitions import partition_key, partition_subject
 from meshforge.runtime.agent import Agent, Event, Output, Send
-from meshforge.scope import command_scope
+from meshforge.scope import Scope, command_scope
 from meshforge.store.base import NewEvent, StoredOutput
 from meshforge.subjects import command_subject, event_subject
 
@@ -67,14 +67,16 @@ def build_outputs(
     outputs: Sequence[Output],
     state: S,
     partitions: int = 0,
+    scope: Scope | None = None,
 ) -> tuple[S, list[StoredOutput], list[NewEvent]]:
     """The new state, the messages to store and publish, and the events to append.
 
     Every output carries the subject's tenant (a ``Send`` may name another on purpose).
     With ``partitions`` > 0 (the deployment's setting) a ``Send`` goes to its partition,
     ``cmd.<t>.<ns>.<agent>.<command>.<p>``, by its resource id (else its own id).
+    ``scope`` is the subject's, when the caller has it already.
     """
-    tenant, namespace = scope_of(subject, cmd)
+    tenant, namespace = scope or scope_of(subject, cmd)
     stored: list[StoredOutput] = []
     events: list[NewEvent] = []
     ts = cmd.ts or now_ts()  # the children's logical time: one for all of them

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshforge.errors import StoreError, one_line
 from meshforge.store.base import StoredOutput
-from meshforge.store.sql import dump_headers, load_headers
+from meshforge.store.sql import headers_json, load_headers
 
 if TYPE_CHECKING:
     from meshforge.store.scoping import Step
@@ -41,7 +41,7 @@ def pack_outputs(outputs: Sequence[StoredOutput]) -> bytes:
     try:
         for o in outputs:
             subject, msg_id = o.subject.encode(), o.msg_id.encode()
-            data, headers = bytes(o.data), dump_headers(o.headers).encode()
+            data, headers = bytes(o.data), headers_json(o.headers)
             parts += (_HEAD.pack(o.position, len(subject), len(msg_id), len(data), len(headers)),
                       subject, msg_id, data, headers)  # fmt: skip
     except (UnicodeError, struct.error) as exc:

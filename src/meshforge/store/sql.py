@@ -134,6 +134,11 @@ _HEADERS = msgspec.json.Decoder(dict[str, str])
 
 def dump_headers(headers: Mapping[str, str]) -> str:
     """Headers as compact JSON text, names sorted; every key and value must be a string."""
+    return headers_json(headers).decode()
+
+
+def headers_json(headers: Mapping[str, str]) -> bytes:
+    """``dump_headers`` as UTF-8 bytes (what a packed value holds)."""
     for name, value in headers.items():
         if not isinstance(name, str) or not isinstance(value, str):
             raise StoreError(
@@ -141,9 +146,9 @@ def dump_headers(headers: Mapping[str, str]) -> str:
             )
     plain = headers if type(headers) is dict else dict(headers)
     try:
-        return _SORTED_JSON.encode(plain).decode()
+        return _SORTED_JSON.encode(plain)
     except UnicodeEncodeError:  # a lone surrogate: only the escaping encoder can write it
-        return _encode_headers(plain)
+        return _encode_headers(plain).encode()
 
 
 def load_headers(text: Any) -> dict[str, str]:
