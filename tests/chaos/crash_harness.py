@@ -263,8 +263,10 @@ async def crash_point_run(work: Path, point: str, kills: int, *, seed: int = 1) 
     """Kill the worker ``kills`` times at ``point``, with load flowing; then finish and audit."""
     run, server = await open_run(work, seed)
     try:
+        # Commits overlap publishing only when work keeps coming: bigger waves for that point.
+        size = 96 if point == "after_commit_while_publishing" else 24
         while run.kills < kills:
-            await run.wave(24)
+            await run.wave(size)
             # A new count each start, so every life dies a little further on.
             await run.life(f"{point}:{run.rng.randint(1, 4)}")
         await run.finish()
