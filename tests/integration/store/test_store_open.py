@@ -12,6 +12,7 @@ import pytest
 
 from meshforge.errors import ConfigError, StoreError
 from meshforge.store import Store, Transaction, open_store, postgres
+from polling import wait_until_sync
 
 
 @pytest.mark.parametrize(
@@ -74,6 +75,27 @@ def test_sqlite_relative_path_creates_parent_dirs_in_wal_mode(
     finally:
         store.close()
     assert (tmp_path / ".meshforge" / "deep" / "store.db").is_file()
+
+
+def test_sqlite_checkpoints_the_wal_in_a_thread_of_its_own(tmp_path: Path) -> None:
+    """Commits far below the WAL's own checkpoint threshold still reach the database file:
+    a thread copies them there, so no commit stops for a checkpoint."""
+    path = tmp_path / "store.db"
+    store = open_store(f"sqlite:///{path}")
+
+    def checkpoint_threads() -> int:
+        return sum(t.name == "meshforge-sqlite-checkpoint" for t in threading.enumerate())
+
+    try:
+        before = path.stat().st_size
+        for i in range(100):  # about 100 pages of states: a few hundred WAL frames
+            store.run(lambda tx, i=i: tx.state_put("a", f"r{i}", b"x" * 3000, 1))
+        wait_until_sync(lambda: path.stat().st_size >= before + 100 * 3000, timeout=10,
+                        what="the states copied into the database file")  # fmt: skip
+        assert checkpoint_threads() == 1
+    finally:
+        store.close()
+    assert checkpoint_threads() == 0
 
 
 def test_sqlite_in_memory_store_works_across_threads() -> None:
