@@ -28,7 +28,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from meshforge.config import Settings, load_settings
@@ -38,7 +38,7 @@ from meshforge.deadletter import REASONS
 from meshforge.decisions import Decision, Delivery, Handler
 from meshforge.errors import ConfigError, one_line
 from meshforge.observability import HttpEndpoint, Metrics, serve_http
-from meshforge.partitions import Leases, ensure_bucket, lease_of, open_bucket
+from meshforge.partitions import Leases, ensure_bucket, lease_of, open_bucket, pinned_client, unpin
 from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
 from meshforge.publisher import Publisher
 from meshforge.retention import store_retention
@@ -124,6 +124,7 @@ class _Partitions:
         self.consumers: dict[str, Consumer] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.lose: Callable[[str], None] = lambda slot: None  # the Leases' own, once made
 
     def start(self, slot: str, clean: bool) -> None:
         lane = self.lanes.get(slot)
@@ -133,24 +134,62 @@ class _Partitions:
                 load[taken] += 1
             lane = self.lanes[slot] = load.index(min(load))
         engine = self.engines[lane]
+        spec = self.specs[slot]
+
+        def fenced() -> None:
+            if self.consumers.get(slot) is consumer:  # not a consumer of the slot's past
+                self.lose(slot)
+
+        async def unpinned_idle() -> None:
+            await self._check_pin(spec, consumer)
+
         consumer = Consumer(
-            self.conn, self.specs[slot], batch_handler=engine.handle, settings=self.settings,
+            self.conn, spec, batch_handler=engine.handle, settings=self.settings,
             metrics=self.metrics, publisher=self.publisher, provision=False,
             batch_size=engine.fetch_size, max_held=engine.max_held,
+            on_fenced=fenced, on_unpinned_idle=unpinned_idle,
         )  # fmt: skip
         self.consumers[slot] = consumer
         self.tasks[slot] = asyncio.create_task(self._run(slot, consumer, clean))
 
+    def fence(self, slot: str) -> None:
+        """Our lease of ``slot`` is gone: its consumer stops fetching and extending at once."""
+        consumer = self.consumers.get(slot)
+        if consumer is not None:
+            consumer.fence()
+
     async def _run(self, slot: str, consumer: Consumer, clean: bool) -> None:
         try:
-            if not clean:
-                await self._await_redeliveries(self.specs[slot])
+            await self._take_over(self.specs[slot], clean)
             await consumer.run()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             if not self.failed.done():
                 self.failed.set_exception(exc)
+
+    async def _take_over(self, spec: ConsumerSpec, clean: bool) -> None:
+        """Before the first pull: revoke the previous owner's pin, so the server refuses
+        its pulls, old or still on their way; then (``clean`` False) let what it holds
+        come back first. Nothing can be delivered to it after the unpin, so whatever it
+        still holds is counted by the server now."""
+        await unpin(self.conn.js, spec.stream, spec.durable, spec.priority_group)
+        if not clean:
+            await self._await_redeliveries(spec)
+
+    async def _check_pin(self, spec: ConsumerSpec, consumer: Consumer) -> None:
+        """An idle pull, and we are not pinned: is another client? (A worker that stalled
+        right after claiming the partition, before anything was delivered to it, pulls
+        without a pin and may be pinned after our unpin.) Then fence it off again."""
+        try:
+            pinned = await pinned_client(self.conn.js, spec.stream, spec.durable, spec.priority_group)
+        except Exception as exc:  # the server may be away: the next idle pull asks again
+            log.debug("%s: pin state unavailable: %s", spec.durable, one_line(exc))
+            return
+        if pinned is None or consumer.pinned or consumer.fenced:
+            return
+        log.warning("%s: another client is pinned while this worker owns it; unpinning it", spec.durable)
+        await self._take_over(spec, clean=False)
 
     async def _await_redeliveries(self, spec: ConsumerSpec) -> None:
         """A partition taken from a dead owner: let its unacknowledged commands come due
@@ -342,7 +381,9 @@ class Worker:
                 # Every durable of the group shares the unpartitioned one's stem.
                 stem = group["u"].durable.removesuffix("_unpartitioned")
                 period = await lease_of(kv) / 3
-                leases = Leases(conn.js, kv, stem, list(group), start=part.start, stop=part.stop, period=period)
+                leases = Leases(conn.js, kv, stem, list(group), start=part.start, stop=part.stop,
+                                period=period, fence=part.fence)  # fmt: skip
+                part.lose = leases.lose
                 self._leases.append(leases)
                 continue
             if self.deliver_group:
