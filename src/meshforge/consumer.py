@@ -188,6 +188,9 @@ class Consumer:
         self._on_unpinned_idle = on_unpinned_idle
         self._acker: Acker | None = None
         self.fenced = False
+        #: Set before ``run`` by a worker taking a partition over: how many commands the
+        #: previous owner held (see ``_take_back``).
+        self.held_before = 0
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -378,9 +381,29 @@ class Consumer:
         self.ready.set()
         log.info("consumer %s/%s pulling", self.stream, self.durable)
         try:
+            if self.held_before:
+                await self._take_back(source, dispatch, self.held_before)
             await loop.run()
         except ConnectionError as exc:
             raise ConnectionFailed(f"consumer {self.durable}: {exc}") from None
+
+    async def _take_back(self, source: PullSource, dispatch: Callable[[list[Msg]], None], held: int) -> None:
+        """The first pulls after a take-over: what the previous owner held comes back in
+        the order its ack waits ran out, which its ``in_progress`` beats can have made
+        differ from the order it was stored. Take it all back (up to ``max_held``) before
+        handing any over, and hand it over as one batch in stream order."""
+        limit = min(held, self.max_held)
+        got: list[Msg] = []
+        while len(got) < limit and not self._stop.is_set():
+            result = await source.fetch(min(self.batch_size, limit - len(got)), self._stop)
+            got += result.messages
+            for msg in result.surplus:
+                await self._nak_quietly(msg)
+            if result.outcome != "messages" or any(m.metadata.num_delivered == 1 for m in result.messages):
+                break  # nothing more is due, or a new command: every redelivery came first
+        if got:
+            log.info("consumer %s: took back %d of %d held by the previous owner", self.durable, len(got), held)
+            dispatch(sorted(got, key=lambda m: m.metadata.sequence.stream))
 
     async def _pin_revoked(self) -> None:
         self.fence()

@@ -173,3 +173,29 @@ async def test_claiming_a_partition_unpins_the_previous_owner_before_the_first_p
 async def ack_floor(js: JetStreamContext, durable: str, seq: int) -> bool:
     info = await js.consumer_info(STREAM_COMMANDS, durable)
     return bool(info.ack_floor and info.ack_floor.stream_seq >= seq and not info.num_ack_pending)
+
+
+async def test_a_partition_durable_without_the_group_is_a_clear_error_at_claim(
+    nats_url: str, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """A worker that does not provision, on a durable an older MeshForge made: it must not
+    pull unfenced; it stops, naming the fix."""
+    s = settings(partitions=1)
+    tenant = unique_agent()
+    specs = partition_consumers("seq", s, tenant=tenant, namespace="t")
+    await provision_all(js, s, *(replace(spec, priority_group="", pinned_ttl=0) for spec in specs.values()))
+    async with connection(nats_url) as conn:
+        store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
+        publisher = Publisher(conn.js, s)
+        engine = Engine(SequenceAgent(), store, publisher, settings=s, metrics=Metrics())
+        part = _Partitions(conn, specs, [engine], publisher, s, Metrics())
+        try:
+            part.start("p0", True)
+            await wait_until(part.failed.done, timeout=10, what="the claim failing")
+            error = part.failed.exception()
+            assert error is not None and "meshforge provision --partitions N" in str(error), error
+            assert not part.consumers["p0"].ready.is_set()  # never pulled
+        finally:
+            await part.stop("p0")
+            await asyncio.to_thread(engine.close)
+            await asyncio.to_thread(store.close)

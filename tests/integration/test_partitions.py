@@ -263,9 +263,9 @@ async def test_two_workers_split_partitions_keep_order_and_survive_a_kill(
         assert loop.time() - killed < 1.5 + 4.5, "taken over within the lease and a few rounds"
         await wait_until(lambda: count(805), timeout=60, what="805 commands applied")
         events = await stepped(conn)
-        # Exactly once through the kill. Order across the takeover is not checked: a command
-        # the dead owner held can still come after a later one (docs/AGENTS.md, known gap).
-        check_order(events, 20, 40, {"plain": 5}, ordered=False)
+        # Exactly once through the kill, and in order: what the dead owner held (its ack
+        # waits extended unevenly by in_progress) is taken back whole and sorted.
+        check_order(events, 20, 40, {"plain": 5})
         assert len({e.id for e in events}) == len(events) == 805
         assert survivor.poll() is None
     finally:

@@ -36,7 +36,7 @@ from meshforge.connection import Connection, connect
 from meshforge.consumer import Consumer
 from meshforge.deadletter import REASONS
 from meshforge.decisions import Decision, Delivery, Handler
-from meshforge.errors import ConfigError, one_line
+from meshforge.errors import ConfigError, MissingTopology, TopologyError, one_line
 from meshforge.observability import HttpEndpoint, Metrics, serve_http
 from meshforge.partitions import Leases, ensure_bucket, lease_of, open_bucket, pinned_client, unpin
 from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
@@ -160,7 +160,7 @@ class _Partitions:
 
     async def _run(self, slot: str, consumer: Consumer, clean: bool) -> None:
         try:
-            await self._take_over(self.specs[slot], clean)
+            consumer.held_before = await self._take_over(self.specs[slot], clean)
             await consumer.run()
         except asyncio.CancelledError:
             raise
@@ -168,14 +168,26 @@ class _Partitions:
             if not self.failed.done():
                 self.failed.set_exception(exc)
 
-    async def _take_over(self, spec: ConsumerSpec, clean: bool) -> None:
+    async def _take_over(self, spec: ConsumerSpec, clean: bool) -> int:
         """Before the first pull: revoke the previous owner's pin, so the server refuses
         its pulls, old or still on their way; then (``clean`` False) let what it holds
         come back first. Nothing can be delivered to it after the unpin, so whatever it
-        still holds is counted by the server now."""
-        await unpin(self.conn.js, spec.stream, spec.durable, spec.priority_group)
-        if not clean:
-            await self._await_redeliveries(spec)
+        still holds is counted by the server now. Returns that count."""
+        delay = 0.1
+        while True:
+            try:
+                await unpin(self.conn.js, spec.stream, spec.durable, spec.priority_group)
+                break
+            except MissingTopology:
+                raise
+            except Exception as exc:  # no answer: the server is away or busy; a denial is final
+                denied = self.conn.last_error or ""
+                if "permissions violation" in denied.lower():
+                    raise TopologyError(f"cannot unpin {spec.durable}: {denied}") from None
+                log.warning("%s: unpin failed (%s); trying again before pulling", spec.durable, one_line(exc))
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+        return 0 if clean else await self._await_redeliveries(spec)
 
     async def _check_pin(self, spec: ConsumerSpec, consumer: Consumer) -> None:
         """An idle pull, and we are not pinned: is another client? (A worker that stalled
@@ -191,17 +203,19 @@ class _Partitions:
         log.warning("%s: another client is pinned while this worker owns it; unpinning it", spec.durable)
         await self._take_over(spec, clean=False)
 
-    async def _await_redeliveries(self, spec: ConsumerSpec) -> None:
+    async def _await_redeliveries(self, spec: ConsumerSpec) -> int:
         """A partition taken from a dead owner: let its unacknowledged commands come due
-        first, so they are redelivered before any later command of their resources."""
+        first, so they are redelivered before any later command of their resources.
+        Returns how many there were."""
         info = await self.conn.js.consumer_info(spec.stream, spec.durable)
         if not info.num_ack_pending:
-            return
+            return 0
         cfg = info.config
         wait = max([*(cfg.backoff or []), cfg.ack_wait or spec.effective_ack_wait])
         log.info("%s: %d unacknowledged; starting in %gs when they are due again",
                  spec.durable, info.num_ack_pending, wait)  # fmt: skip
         await asyncio.sleep(wait)
+        return int(info.num_ack_pending)
 
     async def stop(self, slot: str) -> None:
         consumer, task = self.consumers.pop(slot, None), self.tasks.pop(slot, None)
