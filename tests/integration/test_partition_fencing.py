@@ -199,3 +199,52 @@ async def test_a_partition_durable_without_the_group_is_a_clear_error_at_claim(
             await part.stop("p0")
             await asyncio.to_thread(engine.close)
             await asyncio.to_thread(store.close)
+
+
+async def test_an_idle_owner_unpins_a_client_that_got_the_pin_after_its_claim(
+    nats_url: str, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """A worker that stalled right after claiming, before anything was delivered to it,
+    pulls without a pin and can be pinned after the new owner's unpin: the new owner,
+    idle and unpinned, finds it and fences it off again."""
+    s = settings(partitions=1, ack_wait=1.0, backoff=())
+    tenant = unique_agent()
+    specs = partition_consumers("seq", s, tenant=tenant, namespace="t")
+    await provision_all(js, s, *specs.values())
+    subject = f"cmd.{tenant}.t.seq.step.0"
+    async with connection(nats_url) as conn:
+        rogue = PullSource(conn.nc, STREAM_COMMANDS, specs["p0"].durable, group=OWNER_GROUP)
+        await rogue.start()
+        early = asyncio.create_task(rogue.fetch(1))  # first in the server's queue, no pin
+        store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
+        publisher = Publisher(conn.js, s)
+        engine = Engine(SequenceAgent(), store, publisher, settings=s, metrics=Metrics())
+        part = _Partitions(conn, specs, [engine], publisher, s, Metrics())
+        try:
+            part.start("p0", True)
+            consumer = part.consumers["p0"]
+            await wait_until(lambda: consumer.ready.is_set(), timeout=10, what="the owner pulling")
+            await publish(js, subject, 0)
+            got = await asyncio.wait_for(early, 10)
+            assert len(got.messages) == 1 and rogue.pin is not None  # the rogue was pinned
+            # Pinned, the rogue is served (the command again, when its ack wait runs out)
+            # until the owner's idle pull ends and it sees a pin that is not its own.
+            deadline = asyncio.get_running_loop().time() + 20
+            refused = await asyncio.wait_for(rogue.fetch(1), 20)
+            while refused.outcome in ("messages", "empty") and asyncio.get_running_loop().time() < deadline:
+                refused = await asyncio.wait_for(rogue.fetch(1), 20)
+            assert (refused.outcome, refused.status) == ("error", FENCED)
+            # What the rogue held comes back to the owner, which applies it.
+            await wait_until(lambda: consumer.pinned, timeout=20, what="the owner pinned")
+            await wait_until(lambda: all_acked(js, specs["p0"].durable), timeout=20, what="everything applied")
+            assert not part.failed.done()
+        finally:
+            await part.stop("p0")
+            await rogue.close()
+            await asyncio.to_thread(engine.close)
+            await asyncio.to_thread(store.close)
+
+
+async def all_acked(js: JetStreamContext, durable: str) -> bool:
+    info = await js.consumer_info(STREAM_COMMANDS, durable)
+    return not info.num_ack_pending and not info.num_pending
