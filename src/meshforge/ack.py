@@ -192,6 +192,10 @@ class Acker:
         """Send ``in_progress`` for ``msgs`` every ``period`` seconds until the block ends."""
         return KeepAlive(self._heartbeats, msgs, period)
 
+    def silence(self) -> None:
+        """No more ``in_progress``, for what is held now or later (the consumer was fenced)."""
+        self._heartbeats.silence()
+
 
 class Heartbeats:
     """One task sends ``in_progress`` for every held batch of messages that is due.
@@ -209,9 +213,20 @@ class Heartbeats:
         self._next_key = 0
         self._task: asyncio.Task[None] | None = None
         self._tick = 0.0  # how long the task sleeps between rounds
+        self._silent = False
+
+    def silence(self) -> None:
+        self._silent = True
+        self._held.clear()
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+            self._tick = 0.0
 
     def hold(self, msgs: Sequence[Msg], period: float) -> int:
         self._next_key += 1
+        if self._silent:
+            return self._next_key
         self._held[self._next_key] = (time.monotonic() + period, period, msgs)
         if self._task is None or self._task.done() or period / 2 < self._tick:
             if self._task is not None:

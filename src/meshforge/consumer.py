@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from nats.errors import MsgAlreadyAckdError
@@ -80,6 +80,10 @@ __all__ = [
 log = logging.getLogger("meshforge.consumer")
 
 
+async def _leave(msg: Msg) -> None:
+    """What a fenced consumer does with a message it gives up: nothing (it comes due)."""
+
+
 class _Default:
     def __repr__(self) -> str:
         return "DEFAULT"
@@ -120,6 +124,8 @@ class Consumer:
         provision: bool | None = None,
         ack_sync: bool = False,
         max_held: int | None = None,
+        on_fenced: Callable[[], None] | None = None,
+        on_unpinned_idle: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ConfigError("consumer: give exactly one of handler= or batch_handler=")
@@ -176,6 +182,15 @@ class Consumer:
         self._source: PullSource | None = None
         self._push_sub: Subscription | None = None
         self._signal_tasks: set[asyncio.Future[None]] = set()
+        # A durable with a priority group (a partition's): pulls carry the group and pin.
+        self.priority_group = (self.spec.priority_group or None) if self.spec is not None else None
+        self._on_fenced = on_fenced
+        self._on_unpinned_idle = on_unpinned_idle
+        self._acker: Acker | None = None
+        self.fenced = False
+        #: Set before ``run`` by a worker taking a partition over: how many commands the
+        #: previous owner held (see ``_take_back``).
+        self.held_before = 0
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -211,6 +226,24 @@ class Consumer:
         self._stop.set()
         if self._running:
             await self._finished.wait()
+
+    @property
+    def pinned(self) -> bool:
+        """The server has pinned this consumer's pulls (a durable with a priority group)."""
+        return self._source is not None and self._source.pin is not None
+
+    def fence(self) -> None:
+        """Another worker owns this durable now: stop fetching at once, stop extending the
+        ack wait of what is in flight (so it comes due for the new owner), and nak nothing
+        (a nak would put a later command before earlier ones still in flight). What is in
+        flight still finishes; the store makes a command the new owner applied too a
+        duplicate."""
+        if self.fenced:
+            return
+        self.fenced = True
+        if self._acker is not None:
+            self._acker.silence()
+        self._stop.set()
 
     def install_signal_handlers(self) -> None:
         """Make SIGINT and SIGTERM call ``stop()`` (on the running event loop)."""
@@ -282,7 +315,7 @@ class Consumer:
             wait_backoff=tuple(config.backoff or ()),
         )
         self.max_deliver = limit
-        acker = Acker(
+        acker = self._acker = Acker(
             self.durable,
             self.metrics,
             self._get_publisher,
@@ -327,7 +360,7 @@ class Consumer:
                 for msg in msgs:
                     workers.spawn(processor.handle_one(msg), [msg])
 
-        source = PullSource(self._conn.nc, self.stream, self.durable)
+        source = PullSource(self._conn.nc, self.stream, self.durable, group=self.priority_group)
         await source.start()
         self._source = source
         loop = PullLoop(
@@ -342,13 +375,40 @@ class Consumer:
             recover=self._recover,
             pending=self._pending,
             closed=lambda: self._conn.nc.is_closed,
+            fenced=self._pin_revoked if self.priority_group else None,
+            unpinned_idle=self._on_unpinned_idle if self.priority_group else None,
         )
         self.ready.set()
         log.info("consumer %s/%s pulling", self.stream, self.durable)
         try:
+            if self.held_before:
+                await self._take_back(source, dispatch, self.held_before)
             await loop.run()
         except ConnectionError as exc:
             raise ConnectionFailed(f"consumer {self.durable}: {exc}") from None
+
+    async def _take_back(self, source: PullSource, dispatch: Callable[[list[Msg]], None], held: int) -> None:
+        """The first pulls after a take-over: what the previous owner held comes back in
+        the order its ack waits ran out, which its ``in_progress`` beats can have made
+        differ from the order it was stored. Take it all back (up to ``max_held``) before
+        handing any over, and hand it over as one batch in stream order."""
+        limit = min(held, self.max_held)
+        got: list[Msg] = []
+        while len(got) < limit and not self._stop.is_set():
+            result = await source.fetch(min(self.batch_size, limit - len(got)), self._stop)
+            got += result.messages
+            for msg in result.surplus:
+                await self._nak_quietly(msg)
+            if result.outcome != "messages" or any(m.metadata.num_delivered == 1 for m in result.messages):
+                break  # nothing more is due, or a new command: every redelivery came first
+        if got:
+            log.info("consumer %s: took back %d of %d held by the previous owner", self.durable, len(got), held)
+            dispatch(sorted(got, key=lambda m: m.metadata.sequence.stream))
+
+    async def _pin_revoked(self) -> None:
+        self.fence()
+        if self._on_fenced is not None:
+            self._on_fenced()
 
     async def _recover(self) -> None:
         """After a stall: provision the consumer again if it vanished (when allowed)."""
@@ -402,7 +462,8 @@ class Consumer:
         self._stop.set()
         if self._source is not None:
             for msg in await self._source.close():
-                await self._nak_quietly(msg)
+                if not self.fenced:  # fenced: they come due with what is in flight
+                    await self._nak_quietly(msg)
             self._source = None
         sub, self._push_sub = self._push_sub, None
         if sub is not None:
@@ -411,7 +472,7 @@ class Consumer:
         timeout = self._stop_timeout
         if timeout is None:
             timeout = self.settings.shutdown_timeout
-        await self._workers.finish(timeout, self._nak_quietly)
+        await self._workers.finish(timeout, self._nak_quietly if not self.fenced else _leave)
         self._stop_timeout = None
         if self._conn.nc.is_connected:
             with contextlib.suppress(Exception):  # acks and naks leave before stop() returns

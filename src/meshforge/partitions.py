@@ -15,6 +15,13 @@ every third of the lease, hands back those above its share (after their in-fligh
 acknowledged) and drops at once a partition whose renewal fails. A dead worker's keys
 expire after the lease and the others take its partitions.
 
+A lease cannot stop a worker that stalled past it (a paused VM) from fetching again
+before it notices; the server can. Each partition durable has a priority group with
+policy pinned_client (nats-server >= 2.11): the server delivers to one client at a time,
+the pinned one, whose pulls carry the pin id it was given. A worker that claims a
+partition ``unpin``s the group before its first pull, so every pull of the previous
+owner is refused from then on (status 423, and the previous owner drops the partition).
+
 Example::
 
     >>> partition_of("order-7", 4)
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
@@ -37,7 +45,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
+from nats.js.errors import APIError, BucketNotFoundError, KeyDeletedError, KeyNotFoundError
 
 from meshforge.config import Settings
 from meshforge.envelope import Envelope
@@ -58,6 +66,8 @@ __all__ = [
     "partition_of",
     "partition_subject",
     "partitioned",
+    "pinned_client",
+    "unpin",
     "worker_id",
 ]
 
@@ -156,6 +166,33 @@ async def lease_of(kv: KeyValue) -> float:
     return float(status.ttl or 0) or Settings().partition_lease
 
 
+# ------------------------------------------------------------------ the server's fence
+
+
+async def unpin(js: JetStreamContext, stream: str, durable: str, group: str) -> None:
+    """Revoke the durable's pin: pulls carrying it are refused (423) from now on, and the
+    next pull without one is pinned. Raises ``MissingTopology`` when the durable has no
+    such group (provisioned by an older MeshForge, or a server before 2.11)."""
+    subject = f"{js._prefix}.CONSUMER.UNPIN.{stream}.{durable}"
+    try:
+        await js._api_request(subject, json.dumps({"group": group}).encode(), timeout=js._timeout)
+    except APIError as exc:
+        raise MissingTopology(
+            f"cannot unpin consumer {stream}/{durable} (group {group!r}): {one_line(exc)}; partition "
+            "durables need their priority group (nats-server >= 2.11): run `meshforge provision "
+            "--partitions N --agent NAME`"
+        ) from None
+
+
+async def pinned_client(js: JetStreamContext, stream: str, durable: str, group: str) -> str | None:
+    """The pin id the server has given out for ``group`` (None: no client is pinned)."""
+    info = await js._api_request(f"{js._prefix}.CONSUMER.INFO.{stream}.{durable}", b"", timeout=js._timeout)
+    for state in info.get("priority_groups") or []:
+        if state.get("group") == group:
+            return state.get("pinned_client_id") or None
+    return None
+
+
 # ------------------------------------------------------------------ ownership
 
 
@@ -165,8 +202,10 @@ class Leases:
     ``start(slot, clean)`` must begin consuming the slot at once and return (``clean``
     False: the slot's last owner did not hand it back, its unacknowledged messages may
     still be on their way back); ``stop(slot)`` stops consuming it, finishing and
-    acknowledging its in-flight work. ``step`` is one round; ``run`` repeats it every
-    ``period`` seconds; ``close`` hands everything back.
+    acknowledging its in-flight work; ``fence(slot)``, when given, is called first when a
+    renewal failed (someone else may own the slot: stop fetching now). ``lose(slot)`` is
+    for the consumer to say it was fenced by the server. ``step`` is one round; ``run``
+    repeats it every ``period`` seconds; ``close`` hands everything back.
     """
 
     def __init__(
@@ -180,6 +219,7 @@ class Leases:
         stop: Callable[[str], Awaitable[None]],
         period: float,
         worker: str | None = None,
+        fence: Callable[[str], None] | None = None,
     ) -> None:
         self.js = js
         self.kv = kv
@@ -189,6 +229,7 @@ class Leases:
         self.period = period
         self._start = start
         self._stop = stop
+        self._fence = fence
         self.owned: dict[str, int] = {}  # slot -> revision of our lease key
         self._handing_back: dict[str, asyncio.Task[None]] = {}
         self._dropping: set[asyncio.Task[None]] = set()
@@ -253,6 +294,8 @@ class Leases:
                     for slot, revision in owned]  # fmt: skip
         results = await asyncio.gather(*renewals, return_exceptions=True)
         for (slot, _), result in zip(owned, results, strict=True):
+            if slot not in self.owned:
+                continue  # fenced off meanwhile (``lose``): already dropped
             if isinstance(result, int):
                 self.owned[slot] = result
                 continue
@@ -261,6 +304,15 @@ class Leases:
             # Someone may own it now: stop fetching at once.
             log.warning("%s: lost %s (renewal failed: %s)", self.group, slot, one_line(result))
             del self.owned[slot]
+            if self._fence is not None:
+                self._fence(slot)
+            self._drop(slot)
+
+    def lose(self, slot: str) -> None:
+        """The server fenced our consumer of ``slot`` off (another client was given it):
+        stop it and renew it no more. The key is left to expire, or to be taken back by
+        the next round if it is still ours (through a new claim, which unpins again)."""
+        if self.owned.pop(slot, None) is not None:
             self._drop(slot)
 
     def _drop(self, slot: str) -> None:

@@ -5,7 +5,9 @@ Each role gets the subjects its process publishes to and subscribes on, nothing 
 * ``admin``: provisioning (the whole JetStream API) and nothing else;
 * ``agent``: a worker of the given agents started with ``--no-provision``: the start-up
   check, pull and ack on its own durables, what its agents emit, dead letters of its own
-  commands, and ``$JS.API.INFO`` for ``/healthz``;
+  commands, and ``$JS.API.INFO`` for ``/healthz``; with ``partitions`` set, the partition
+  durables instead (and unpinning them: a new owner fences the previous one off) and its
+  agents' keys in the ownership bucket;
 * ``node``: a control-plane node with ``--no-provision``: its mailbox, its reply subject,
   dead letters of its mailbox, its presence key;
 * ``publisher``: publishing commands and events (``meshforge publish``, an outbox relay);
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from meshforge.config import Settings
 from meshforge.control.presence import NODES_BUCKET
 from meshforge.errors import ConfigError, InvalidSubject
+from meshforge.partitions import BUCKET as PARTITIONS_BUCKET
 from meshforge.subjects import (
     STREAM_COMMANDS,
     STREAM_EVENTS,
@@ -37,7 +40,7 @@ from meshforge.subjects import (
     validate_subject,
     validate_token,
 )
-from meshforge.topology import agent_consumer, node_consumer
+from meshforge.topology import agent_consumer, node_consumer, partition_consumers
 
 __all__ = [
     "DEFAULT_SPARK_STREAMS",
@@ -80,6 +83,15 @@ def _pull(stream: str, durable: str) -> list[str]:
         f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
         f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
         f"$JS.ACK.{stream}.{durable}.>",
+    ]
+
+
+def _bucket_reads(stream: str) -> list[str]:
+    """Read a key-value bucket's stream: its info, and a key (direct, or by message get)."""
+    return [
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
     ]
 
 
@@ -138,9 +150,19 @@ def _grant(
         if not agents:
             raise ConfigError("permissions agent: name the agents with --agent NAME (repeatable)")
         out = [HEALTH, *(f"$JS.API.STREAM.INFO.{s}" for s in _AGENT_STREAMS)]
+        if settings.partitions:
+            out += _bucket_reads(f"KV_{PARTITIONS_BUCKET}")
         for agent in agents:
-            spec = agent_consumer(agent, settings, tenant, namespace)
-            out += _pull(spec.stream, spec.durable)
+            if settings.partitions:
+                group = partition_consumers(agent, settings, tenant, namespace)
+                for part in group.values():
+                    out += _pull(part.stream, part.durable)
+                    out.append(f"$JS.API.CONSUMER.UNPIN.{part.stream}.{part.durable}")
+                stem = group["u"].durable.removesuffix("_unpartitioned")
+                out += [f"$KV.{PARTITIONS_BUCKET}.{kind}.{stem}.*" for kind in ("lease", "worker")]
+            else:
+                spec = agent_consumer(agent, settings, tenant, namespace)
+                out += _pull(spec.stream, spec.durable)
             out += [
                 f"evt.{t}.{ns}.{agent}.>",  # its events
                 f"failed.cmd.{t}.{ns}.{agent}.>",  # dead letters of its commands

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -27,7 +28,7 @@ from typing import TypeVar
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamManager
-from nats.js.api import ConsumerConfig, ConsumerInfo, StreamConfig, StreamInfo
+from nats.js.api import ConsumerConfig, StreamConfig, StreamInfo
 from nats.js.errors import NotFoundError
 
 from meshforge.errors import MissingTopology, OverlapError, TopologyError, one_line
@@ -37,6 +38,7 @@ from meshforge.topology import (
     ApplyReport,
     Change,
     ConsumerSpec,
+    GroupedConsumerConfig,
     Plan,
     Step,
     StreamSpec,
@@ -91,10 +93,18 @@ async def _existing_streams(js: JetStreamManager) -> dict[str, StreamConfig]:
 
 
 async def _existing_consumers(js: JetStreamManager, stream: str) -> dict[str, ConsumerConfig]:
-    async def fetch(offset: int) -> tuple[list[ConsumerInfo], int | None]:
-        return await js.consumers_info(stream, offset), None
+    """Every consumer's config, read raw: nats-py's ``ConsumerInfo`` drops the priority
+    group fields, which a partition durable must keep (and be compared on)."""
 
-    return {info.name: info.config for info in await _list_all(fetch)}
+    async def fetch(offset: int) -> tuple[list[tuple[str, ConsumerConfig]], int | None]:
+        request = json.dumps({"offset": offset}).encode()
+        resp = await js._api_request(f"{js._prefix}.CONSUMER.LIST.{stream}", request, timeout=js._timeout)
+        page: list[tuple[str, ConsumerConfig]] = [
+            (c["name"], GroupedConsumerConfig.from_response(c["config"])) for c in resp.get("consumers") or []
+        ]
+        return page, None
+
+    return dict(await _list_all(fetch))
 
 
 def _unique(names: Sequence[str], what: str) -> None:
@@ -298,7 +308,9 @@ async def _execute(js: JetStreamManager, step: Step) -> None:
     config = spec.config()
     if step.action is Action.UPDATE:
         assert isinstance(step.current, ConsumerConfig)
-        config = step.current.evolve(
+        # Read raw, the current config keeps its priority group; the spec's replaces it (a
+        # partition durable made before it had one gets it now).
+        config = GroupedConsumerConfig(**vars(step.current)).evolve(
             name=None,  # the durable name selects the consumer; a name would put the filter in the API subject
             metadata=_own_metadata(step.current.metadata),
             filter_subject=config.filter_subject,
@@ -306,6 +318,9 @@ async def _execute(js: JetStreamManager, step: Step) -> None:
             max_deliver=config.max_deliver,
             backoff=config.backoff,
             num_replicas=config.num_replicas,
+            priority_groups=getattr(config, "priority_groups", None),
+            priority_policy=getattr(config, "priority_policy", None),
+            priority_timeout=getattr(config, "priority_timeout", None),
         )
     await js.add_consumer(spec.stream, config)
 

@@ -46,7 +46,9 @@ Outcome = Literal["messages", "empty", "silent", "error", "stopped"]
 
 _STATUS = "Status"
 _DESCRIPTION = "Description"
+_PIN = "Nats-Pin-Id"
 _HEARTBEAT = "100"
+FENCED = "423"  # the pin this client sent was revoked: another client owns the consumer now
 _END = {"404", "408"}  # no messages / request expired: the server is alive and idle
 _MISSED_HEARTBEATS = 2
 _SLACK = 0.5
@@ -115,12 +117,17 @@ class PullSource:
         *,
         expires: float = 5.0,
         heartbeat: float = 1.0,
+        group: str | None = None,
     ) -> None:
         if heartbeat * 2 > expires:
             raise ValueError("pull heartbeat must be at most half of expires")
         self._nc = nc
         self.stream = stream
         self.durable = durable
+        # A consumer with a pinned_client priority group: requests name the group and, once
+        # the server pinned us (the Nats-Pin-Id of what it delivers), the pin.
+        self.group = group
+        self.pin: str | None = None
         self.expires = expires
         self.heartbeat = heartbeat
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
@@ -157,16 +164,22 @@ class PullSource:
         stray = self._drain_local()
         if stray:
             # Already delivered to us: hand them out now, at most n.
+            if self.group is not None:
+                self._take_pin(stray)
             return FetchResult("messages", stray[:n], detail="stray", surplus=stray[n:])
         self._watch(stop)
         self._requests += 1
         reply = f"{self._prefix}.{self._requests}"
-        body = {
+        body: dict[str, object] = {
             "batch": n,
             "expires": int(self.expires * 1e9),
             "no_wait": True,
             "idle_heartbeat": int(self.heartbeat * 1e9),
         }
+        if self.group is not None:
+            body["group"] = self.group
+            if self.pin is not None:
+                body["id"] = self.pin
         try:
             await self._nc.publish(self._api, json.dumps(body).encode(), reply=reply)
         except Exception as exc:  # closed/draining connection: the caller backs off
@@ -218,7 +231,17 @@ class PullSource:
             if got:
                 break
             return FetchResult("error", detail=f"{status} {description}".strip(), status=status)
+        if got and self.group is not None:
+            self._take_pin(got)
         return FetchResult("messages" if got else "empty", got)
+
+    def _take_pin(self, msgs: list[Msg]) -> None:
+        """The pin the server gave us, from the last message (one request, one pin)."""
+        pin = (msgs[-1].headers or {}).get(_PIN)
+        if pin and pin != self.pin:
+            if self.pin is not None:
+                log.info("pull %s: pinned again (%s)", self.durable, pin)
+            self.pin = pin
 
     def _watch(self, stop: asyncio.Event | None) -> None:
         """Wake a waiting fetch when ``stop`` is set: one task per event, not per fetch."""
@@ -276,6 +299,10 @@ class PullLoop:
     a 409 "consumer deleted", or ``_STALL_CHECK`` seconds of empty fetches while the
     server reports pending messages make it rebuild: a fresh inbox, and ``recover()``
     (which provisions the consumer again when allowed).
+
+    On a consumer with a pinned_client priority group, a 423 (our pin was revoked: another
+    client was given the consumer) ends the loop at once after ``fenced()``; an empty
+    fetch while not pinned calls ``unpinned_idle()`` (which may find another client pinned).
     """
 
     def __init__(
@@ -292,6 +319,8 @@ class PullLoop:
         recover: Callable[[], Awaitable[None]],
         pending: Callable[[], Awaitable[int | None]],
         closed: Callable[[], bool],
+        fenced: Callable[[], Awaitable[None]] | None = None,
+        unpinned_idle: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.source = source
         self._stop = stop
@@ -304,6 +333,8 @@ class PullLoop:
         self._recover = recover
         self._pending = pending
         self._closed = closed
+        self._fenced = fenced
+        self._unpinned_idle = unpinned_idle
 
     async def run(self) -> None:
         """Until ``stop`` is set; raises ``ConnectionError`` if the connection closes for good."""
@@ -331,11 +362,18 @@ class PullLoop:
                     await self.rebuild(f"{silent} pull requests in a row went unanswered")
                     silent = 0
             elif result.outcome == "error":
+                if result.status == FENCED and self._fenced is not None:
+                    log.warning("pull %s: %s: another worker owns it now; fetching no more of it",
+                                self.source.durable, result.detail)  # fmt: skip
+                    await self._fenced()
+                    return
                 log.warning("pull %s: %s", self.source.durable, result.detail)
                 if result.status == "409" and "deleted" in result.detail.lower():
                     await self.rebuild(result.detail)
             else:
                 silent = 0
+                if self._unpinned_idle is not None and self.source.pin is None:
+                    await self._unpinned_idle()
                 idle_since = idle_since or started
                 if time.monotonic() - max(idle_since, last_check) >= _STALL_CHECK:
                     last_check = time.monotonic()

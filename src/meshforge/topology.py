@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -47,10 +47,12 @@ if TYPE_CHECKING:
     from nats.js import JetStreamManager
 
 __all__ = [
+    "OWNER_GROUP",
     "Action",
     "ApplyReport",
     "Change",
     "ConsumerSpec",
+    "GroupedConsumerConfig",
     "Plan",
     "Step",
     "StreamSpec",
@@ -63,6 +65,7 @@ __all__ = [
     "ensure",
     "node_consumer",
     "partition_consumers",
+    "pinned_ttl",
     "plan",
     "verify",
 ]
@@ -111,6 +114,38 @@ class StreamSpec:
         )
 
 
+#: The priority group of a partition durable: its one pinned client is the partition's owner.
+OWNER_GROUP = "owner"
+
+
+@dataclass
+class GroupedConsumerConfig(ConsumerConfig):
+    """A ``ConsumerConfig`` with the priority-group fields (nats-server >= 2.11) that
+    nats-py's does not carry: ``priority_groups``, ``priority_policy`` and
+    ``priority_timeout`` (the pinned TTL, seconds here, nanoseconds on the wire).
+
+    >>> GroupedConsumerConfig(priority_groups=["owner"], priority_policy="pinned_client",
+    ...                       priority_timeout=60.0).as_dict()["priority_timeout"]
+    60000000000
+    """
+
+    priority_groups: list[str] | None = None
+    priority_policy: str | None = None
+    priority_timeout: float | None = None
+
+    @classmethod
+    def from_response(cls, resp: dict[str, Any]) -> GroupedConsumerConfig:
+        cls._convert_nanoseconds(resp, "priority_timeout")
+        config: GroupedConsumerConfig = super().from_response(resp)
+        return config
+
+    def as_dict(self) -> dict[str, object]:
+        result = super().as_dict()
+        if self.priority_timeout is not None:
+            result["priority_timeout"] = self._to_nanoseconds(self.priority_timeout)
+        return result
+
+
 @dataclass(frozen=True, slots=True)
 class ConsumerSpec:
     """A durable pull consumer with explicit acks, delivering from the stream's start.
@@ -128,6 +163,10 @@ class ConsumerSpec:
     backoff: tuple[float, ...] = ()
     description: str = ""
     replicas: int = 0  # 0: as many as the stream (the server's rule)
+    # A priority group with policy pinned_client: the server delivers to one client at a
+    # time, and refuses (status 423) pulls that carry a pin it has revoked.
+    priority_group: str = ""
+    pinned_ttl: float = 0.0  # the server unpins a client that has not pulled for this long
 
     def __post_init__(self) -> None:
         validate_subject(self.filter_subject, wildcards=True)
@@ -149,7 +188,16 @@ class ConsumerSpec:
         return self.backoff[0] if self.backoff else self.ack_wait
 
     def config(self) -> ConsumerConfig:
-        """The nats-py ``ConsumerConfig`` that creates this consumer."""
+        """The nats-py ``ConsumerConfig`` that creates this consumer (a
+        ``GroupedConsumerConfig`` when it has a priority group)."""
+        if self.priority_group:
+            return GroupedConsumerConfig(
+                **vars(self._plain_config()), priority_groups=[self.priority_group],
+                priority_policy="pinned_client", priority_timeout=self.pinned_ttl,
+            )  # fmt: skip
+        return self._plain_config()
+
+    def _plain_config(self) -> ConsumerConfig:
         return ConsumerConfig(
             durable_name=self.durable,
             description=self.description or None,
@@ -262,16 +310,25 @@ def partition_consumers(
     tenant, namespace = _binding(agent, settings, tenant, namespace)
     base = agent_durable(agent, tenant, namespace)
     prefix = f"cmd.{tenant}.{namespace}.{agent}.*"
-    specs = {
-        f"p{k}": _command_consumer(
-            agent, settings, f"{base}_p{k}", f"{prefix}.{k}", f"MeshForge agent {agent} partition {k}"
-        )
-        for k in range(count)
-    }
-    specs["u"] = _command_consumer(
-        agent, settings, f"{base}_unpartitioned", prefix, f"MeshForge agent {agent} unpartitioned"
-    )
+    durables = {f"p{k}": (f"{base}_p{k}", f"{prefix}.{k}", f"partition {k}") for k in range(count)}
+    durables["u"] = (f"{base}_unpartitioned", prefix, "unpartitioned")
+    ttl = pinned_ttl(settings)
+    specs = {}
+    for slot, (durable, subject, what) in durables.items():
+        spec = _command_consumer(agent, settings, durable, subject, f"MeshForge agent {agent} {what}")
+        specs[slot] = replace(spec, priority_group=OWNER_GROUP, pinned_ttl=ttl)
     return specs
+
+
+def pinned_ttl(settings: Settings) -> float:
+    """How long the server keeps a partition durable pinned to a client that stopped
+    pulling: a backstop only (every new owner unpins when it claims), so long enough
+    that a busy owner, whose pulls wait for free capacity, does not lose its pin.
+
+    >>> pinned_ttl(Settings())
+    60.0
+    """
+    return max(60.0, 10 * settings.partition_lease)
 
 
 def _binding(
@@ -462,12 +519,18 @@ def describe_consumer(cfg: ConsumerConfig, stream_replicas: int | None = None) -
     filters = [cfg.filter_subject] if cfg.filter_subject else list(cfg.filter_subjects or [])
     max_deliver = cfg.max_deliver if cfg.max_deliver is not None else -1
     replicas = cfg.num_replicas or stream_replicas
+    groups = getattr(cfg, "priority_groups", None)
+    priority = "none"
+    if groups:  # a config read by nats-py alone has none: the server's is read raw
+        policy, ttl = getattr(cfg, "priority_policy", None), getattr(cfg, "priority_timeout", None)
+        priority = f"{','.join(groups)} {policy or 'none'} {format_duration(ttl)}"
     return {
         "filter_subject": ", ".join(filters) or "(all)",
         "ack_wait": format_duration(cfg.ack_wait),
         "max_deliver": str(max_deliver) if max_deliver > 0 else "unlimited",
         "backoff": ",".join(format_duration(b) for b in cfg.backoff or []) or "none",
         "replicas": str(replicas) if replicas else "as stream",
+        "priority_group": priority,
     }
 
 

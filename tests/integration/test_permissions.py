@@ -241,3 +241,45 @@ async def test_healthz_without_js_api_info_is_a_permission_violation(serve: obje
 
 async def _ready(port: int) -> bool:
     return await asyncio.to_thread(status, port, "/readyz") == 200
+
+
+async def test_a_partitioned_agent_runs_under_exactly_what_it_prints(
+    serve: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With partitions the agent role pulls the partition durables, unpins them when it
+    claims one, and keeps its leases in the ownership bucket; nothing more."""
+    monkeypatch.setenv("MESHFORGE_PARTITIONS", "2")
+    server: EmbeddedServer = serve(printed("admin", "agent", "publisher"))  # type: ignore[operator]
+    done = run_cli("provision", "--agent", "order", "--partitions", "2", role="admin", url=server.url)
+    assert done.returncode == 0, done.stderr
+    admin = await as_role(server, "admin")
+    worker = Child(
+        ["run", "meshforge.demo:OrderAgent", "--no-provision", "--partitions", "2",
+         "--store", f"sqlite:///{tmp_path / 'worker.db'}", "--nats-url", server.url],
+        tmp_path / "worker.log", env=creds("agent"),
+    )  # fmt: skip
+    try:
+        for order in ("o-1", "o-2", "o-3"):  # partitioned by the publisher, and one not
+            sent = _publish_order(server.url, order, partitions="2" if order != "o-3" else "0")
+            assert sent.returncode == 0, sent.stderr
+
+        async def created() -> bool:
+            info = await admin.js.stream_info(STREAM_EVENTS, subjects_filter="evt.default.demo.order.created")
+            return bool(info.state.subjects) and sum((info.state.subjects or {}).values()) == 3
+
+        await wait_until(created, 30, "three order.created events")
+    finally:
+        assert worker.stop() == 0, worker.output()
+        await admin.close()
+    assert violations(server) == [], "\n".join(violations(server))
+    assert "Traceback" not in worker.output()
+    assert "claimed" in worker.output()
+
+
+def _publish_order(url: str, order: str, partitions: str) -> subprocess.CompletedProcess[str]:
+    body = json.dumps({"order_id": order, "sku": "S", "qty": 1, "resource_id": order})
+    return subprocess.run(
+        meshforge_command("publish", "cmd.default.demo.order.create", body, "--nats-url", url),
+        capture_output=True, text=True, timeout=60,
+        env={**_clean_env(), **creds("publisher"), "MESHFORGE_PARTITIONS": partitions},
+    )  # fmt: skip

@@ -20,6 +20,17 @@ def test_tenant_narrows_what_an_agent_and_a_publisher_may_publish() -> None:
     assert role_grant("publisher", subjects=["cmd.acme.shop.>"]).publish == ("$JS.API.INFO", "cmd.acme.shop.>")
 
 
+def test_a_partitioned_agent_pulls_and_unpins_its_partition_durables_only() -> None:
+    grant = role_grant("agent", Settings(partitions=2), agents=["order"], tenant="acme")
+    durables = ["order_consumer_acme_all_p0", "order_consumer_acme_all_p1", "order_consumer_acme_all_unpartitioned"]
+    for durable in durables:
+        assert f"$JS.API.CONSUMER.MSG.NEXT.MESHFORGE_COMMANDS.{durable}" in grant.publish
+        assert f"$JS.API.CONSUMER.UNPIN.MESHFORGE_COMMANDS.{durable}" in grant.publish
+    assert not any(s.endswith(".order_consumer_acme_all") for s in grant.publish)  # not the plain durable
+    assert "$KV.MESHFORGE_PARTITIONS.lease.order_consumer_acme_all.*" in grant.publish
+    assert not any("UNPIN" in s for s in role_grant("agent", Settings(), agents=["order"]).publish)
+
+
 def test_no_role_gets_the_whole_api_but_admin() -> None:
     grants = {
         "agent": role_grant("agent", agents=["a"]),

@@ -28,7 +28,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from meshforge.config import Settings, load_settings
@@ -36,9 +36,9 @@ from meshforge.connection import Connection, connect
 from meshforge.consumer import Consumer
 from meshforge.deadletter import REASONS
 from meshforge.decisions import Decision, Delivery, Handler
-from meshforge.errors import ConfigError, one_line
+from meshforge.errors import ConfigError, MissingTopology, TopologyError, one_line
 from meshforge.observability import HttpEndpoint, Metrics, serve_http
-from meshforge.partitions import Leases, ensure_bucket, lease_of, open_bucket
+from meshforge.partitions import Leases, ensure_bucket, lease_of, open_bucket, pinned_client, unpin
 from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
 from meshforge.publisher import Publisher
 from meshforge.retention import store_retention
@@ -141,6 +141,7 @@ class _Partitions:
         self.consumers: dict[str, Consumer] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.lose: Callable[[str], None] = lambda slot: None  # the Leases' own, once made
 
     def start(self, slot: str, clean: bool) -> None:
         lane = self.lanes.get(slot)
@@ -150,18 +151,33 @@ class _Partitions:
                 load[taken] += 1
             lane = self.lanes[slot] = load.index(min(load))
         engine = self.engines[lane]
+        spec = self.specs[slot]
+
+        def fenced() -> None:
+            if self.consumers.get(slot) is consumer:  # not a consumer of the slot's past
+                self.lose(slot)
+
+        async def unpinned_idle() -> None:
+            await self._check_pin(spec, consumer)
+
         consumer = Consumer(
-            self.conn, self.specs[slot], batch_handler=engine.handle, settings=self.settings,
+            self.conn, spec, batch_handler=engine.handle, settings=self.settings,
             metrics=self.metrics, publisher=self.publisher, provision=False,
             batch_size=engine.fetch_size, max_held=engine.max_held,
+            on_fenced=fenced, on_unpinned_idle=unpinned_idle,
         )  # fmt: skip
         self.consumers[slot] = consumer
         self.tasks[slot] = asyncio.create_task(self._run(slot, consumer, clean))
 
+    def fence(self, slot: str) -> None:
+        """Our lease of ``slot`` is gone: its consumer stops fetching and extending at once."""
+        consumer = self.consumers.get(slot)
+        if consumer is not None:
+            consumer.fence()
+
     async def _run(self, slot: str, consumer: Consumer, clean: bool) -> None:
         try:
-            if not clean:
-                await self._await_redeliveries(self.specs[slot])
+            consumer.held_before = await self._take_over(self.specs[slot], clean)
             await consumer.run()
         except asyncio.CancelledError:
             raise
@@ -169,17 +185,54 @@ class _Partitions:
             if not self.failed.done():
                 self.failed.set_exception(exc)
 
-    async def _await_redeliveries(self, spec: ConsumerSpec) -> None:
+    async def _take_over(self, spec: ConsumerSpec, clean: bool) -> int:
+        """Before the first pull: revoke the previous owner's pin, so the server refuses
+        its pulls, old or still on their way; then (``clean`` False) let what it holds
+        come back first. Nothing can be delivered to it after the unpin, so whatever it
+        still holds is counted by the server now. Returns that count."""
+        delay = 0.1
+        while True:
+            try:
+                await unpin(self.conn.js, spec.stream, spec.durable, spec.priority_group)
+                break
+            except MissingTopology:
+                raise
+            except Exception as exc:  # no answer: the server is away or busy; a denial is final
+                denied = self.conn.last_error or ""
+                if "permissions violation" in denied.lower():
+                    raise TopologyError(f"cannot unpin {spec.durable}: {denied}") from None
+                log.warning("%s: unpin failed (%s); trying again before pulling", spec.durable, one_line(exc))
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+        return 0 if clean else await self._await_redeliveries(spec)
+
+    async def _check_pin(self, spec: ConsumerSpec, consumer: Consumer) -> None:
+        """An idle pull, and we are not pinned: is another client? (A worker that stalled
+        right after claiming the partition, before anything was delivered to it, pulls
+        without a pin and may be pinned after our unpin.) Then fence it off again."""
+        try:
+            pinned = await pinned_client(self.conn.js, spec.stream, spec.durable, spec.priority_group)
+        except Exception as exc:  # the server may be away: the next idle pull asks again
+            log.debug("%s: pin state unavailable: %s", spec.durable, one_line(exc))
+            return
+        if pinned is None or consumer.pinned or consumer.fenced:
+            return
+        log.warning("%s: another client is pinned while this worker owns it; unpinning it", spec.durable)
+        await self._take_over(spec, clean=False)
+
+    async def _await_redeliveries(self, spec: ConsumerSpec) -> int:
         """A partition taken from a dead owner: let its unacknowledged commands come due
-        first, so they are redelivered before any later command of their resources."""
+        first, so they are redelivered before any later command of their resources.
+        Returns how many there were."""
         info = await self.conn.js.consumer_info(spec.stream, spec.durable)
         if not info.num_ack_pending:
-            return
+            return 0
         cfg = info.config
         wait = max([*(cfg.backoff or []), cfg.ack_wait or spec.effective_ack_wait])
         log.info("%s: %d unacknowledged; starting in %gs when they are due again",
                  spec.durable, info.num_ack_pending, wait)  # fmt: skip
         await asyncio.sleep(wait)
+        return int(info.num_ack_pending)
 
     async def stop(self, slot: str) -> None:
         consumer, task = self.consumers.pop(slot, None), self.tasks.pop(slot, None)
@@ -360,7 +413,9 @@ class Worker:
                 # Every durable of the group shares the unpartitioned one's stem.
                 stem = group["u"].durable.removesuffix("_unpartitioned")
                 period = await lease_of(kv) / 3
-                leases = Leases(conn.js, kv, stem, list(group), start=part.start, stop=part.stop, period=period)
+                leases = Leases(conn.js, kv, stem, list(group), start=part.start, stop=part.stop,
+                                period=period, fence=part.fence)  # fmt: skip
+                part.lose = leases.lose
                 self._leases.append(leases)
                 continue
             if self.deliver_group:
