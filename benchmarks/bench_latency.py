@@ -6,7 +6,11 @@ on schedule whether or not earlier ones are done), each stamped with the machine
 monotonic clock; this process times every output's arrival against its stamp. The first
 second of each run is warm-up and not counted.
 
-    python benchmarks/bench_latency.py [--rates 250,1000] [--seconds 30] [--quick]
+The highest rate runs ``--rounds`` times (3 by default) and its medians count: one stall
+of the machine (tens of ms, now and then on a shared 2-core VM) moves a single run's
+p99 at 1,000/s past the floor. Lower rates run once.
+
+    python benchmarks/bench_latency.py [--rates 250,1000] [--seconds 30] [--rounds 3] [--quick]
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ async def main(rates: list[int], seconds: float, rounds: int, kinds: list[str]) 
     results: dict[tuple[str, int], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="meshforge-latency-") as tmp:
         for r in range(rounds):
-            for rate in rates:
+            for rate in rates if r == 0 else [max(rates)]:
                 for kind in kinds if r % 2 == 0 else list(reversed(kinds)):
                     p50, p99, n = await run_once(kind, rate, seconds, Path(tmp) / f"{kind}{rate}r{r}")
                     results.setdefault((kind, rate), []).append((p50, p99))
@@ -96,6 +100,9 @@ async def main(rates: list[int], seconds: float, rounds: int, kinds: list[str]) 
         if base:
             beside = (f"nats-py loop p50 {statistics.median(v[0] for v in base):.2f} ms,"
                       f" p99 {statistics.median(v[1] for v in base):.2f} ms")  # fmt: skip
+        runs = results[("mf", rate)]
+        if len(runs) > 1:
+            beside += f"; median of {len(runs)} runs (" + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in runs) + " ms)"
         floor("S3", f"open loop {rate:,} cmd/s, {seconds:g} s, publish to output", f"p50 {p50:.2f} ms, p99 {p99:.2f} ms",
               f"p50 <= {P50_FLOOR_MS:g} ms, p99 <= {P99_FLOOR_MS:g} ms",
               met=p50 <= P50_FLOOR_MS and p99 <= P99_FLOOR_MS, note=beside)  # fmt: skip
@@ -104,7 +111,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rates", default="250,1000")
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3, help="runs at the highest rate; the median counts")
     parser.add_argument("--only", default="mf,raw", help="variants, comma-separated")
     parser.add_argument("--quick", action="store_true", help="5 s per run")
     args = parser.parse_args()
