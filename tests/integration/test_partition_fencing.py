@@ -16,6 +16,8 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from partition_agents import SequenceAgent
 
+from meshforge.config import Settings
+from meshforge.connection import Connection
 from meshforge.consumer import Consumer
 from meshforge.decisions import Decision, Delivery
 from meshforge.envelope import Envelope
@@ -25,9 +27,15 @@ from meshforge.publisher import Publisher
 from meshforge.pull import FENCED, PullSource
 from meshforge.runtime.engine import Engine
 from meshforge.runtime.worker import _Partitions
-from meshforge.store import open_store
+from meshforge.store import Store, open_store
 from meshforge.subjects import STREAM_COMMANDS
-from meshforge.topology import OWNER_GROUP, agent_consumer, ensure, partition_consumers
+from meshforge.topology import (
+    OWNER_GROUP,
+    ConsumerSpec,
+    agent_consumer,
+    ensure,
+    partition_consumers,
+)
 from polling import wait_until
 
 
@@ -35,6 +43,22 @@ async def raw_config(nc: NATS, durable: str) -> dict[str, Any]:
     reply = await nc.request(f"$JS.API.CONSUMER.INFO.{STREAM_COMMANDS}.{durable}", b"", timeout=5)
     config: dict[str, Any] = json.loads(reply.data)["config"]
     return config
+
+
+def owner(
+    conn: Connection, specs: dict[str, ConsumerSpec], s: Settings, tmp_path: Path
+) -> tuple[Store, Engine[Any], _Partitions]:
+    """A worker's partitions of the SequenceAgent over one engine, on a store of its own."""
+    store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
+    publisher = Publisher(conn.js, s)
+    engine = Engine(SequenceAgent(), store, publisher, settings=s, metrics=Metrics())
+    return store, engine, _Partitions(conn, specs, [engine], publisher, s, Metrics())
+
+
+async def release(part: _Partitions, engine: Engine[Any], store: Store) -> None:
+    await part.stop("p0")
+    await asyncio.to_thread(engine.close)
+    await asyncio.to_thread(store.close)
 
 
 async def publish(js: JetStreamContext, subject: str, seq: int) -> None:
@@ -141,10 +165,7 @@ async def test_claiming_a_partition_unpins_the_previous_owner_before_the_first_p
         for msg in got.messages:
             await msg.ack()
 
-        store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
-        publisher = Publisher(conn.js, s)
-        engine = Engine(SequenceAgent(), store, publisher, settings=s, metrics=Metrics())
-        part = _Partitions(conn, specs, [engine], publisher, s, Metrics())
+        store, engine, part = owner(conn, specs, s, tmp_path)
         try:
             part.start("p0", True)  # handed back cleanly: no redelivery wait, only the unpin
             consumer = part.consumers["p0"]
@@ -164,10 +185,8 @@ async def test_claiming_a_partition_unpins_the_previous_owner_before_the_first_p
                              what="the command applied by the new owner")  # fmt: skip
             assert not part.failed.done()
         finally:
-            await part.stop("p0")
             await previous.close()
-            await asyncio.to_thread(engine.close)
-            await asyncio.to_thread(store.close)
+            await release(part, engine, store)
 
 
 async def ack_floor(js: JetStreamContext, durable: str, seq: int) -> bool:
@@ -185,10 +204,7 @@ async def test_a_partition_durable_without_the_group_is_a_clear_error_at_claim(
     specs = partition_consumers("seq", s, tenant=tenant, namespace="t")
     await provision_all(js, s, *(replace(spec, priority_group="", pinned_ttl=0) for spec in specs.values()))
     async with connection(nats_url) as conn:
-        store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
-        publisher = Publisher(conn.js, s)
-        engine = Engine(SequenceAgent(), store, publisher, settings=s, metrics=Metrics())
-        part = _Partitions(conn, specs, [engine], publisher, s, Metrics())
+        store, engine, part = owner(conn, specs, s, tmp_path)
         try:
             part.start("p0", True)
             await wait_until(part.failed.done, timeout=10, what="the claim failing")
@@ -196,9 +212,7 @@ async def test_a_partition_durable_without_the_group_is_a_clear_error_at_claim(
             assert error is not None and "meshforge provision --partitions N" in str(error), error
             assert not part.consumers["p0"].ready.is_set()  # never pulled
         finally:
-            await part.stop("p0")
-            await asyncio.to_thread(engine.close)
-            await asyncio.to_thread(store.close)
+            await release(part, engine, store)
 
 
 async def test_an_idle_owner_unpins_a_client_that_got_the_pin_after_its_claim(
@@ -216,10 +230,7 @@ async def test_an_idle_owner_unpins_a_client_that_got_the_pin_after_its_claim(
         rogue = PullSource(conn.nc, STREAM_COMMANDS, specs["p0"].durable, group=OWNER_GROUP)
         await rogue.start()
         early = asyncio.create_task(rogue.fetch(1))  # first in the server's queue, no pin
-        store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
-        publisher = Publisher(conn.js, s)
-        engine = Engine(SequenceAgent(), store, publisher, settings=s, metrics=Metrics())
-        part = _Partitions(conn, specs, [engine], publisher, s, Metrics())
+        store, engine, part = owner(conn, specs, s, tmp_path)
         try:
             part.start("p0", True)
             consumer = part.consumers["p0"]
@@ -239,10 +250,8 @@ async def test_an_idle_owner_unpins_a_client_that_got_the_pin_after_its_claim(
             await wait_until(lambda: all_acked(js, specs["p0"].durable), timeout=20, what="everything applied")
             assert not part.failed.done()
         finally:
-            await part.stop("p0")
             await rogue.close()
-            await asyncio.to_thread(engine.close)
-            await asyncio.to_thread(store.close)
+            await release(part, engine, store)
 
 
 async def all_acked(js: JetStreamContext, durable: str) -> bool:
