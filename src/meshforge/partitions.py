@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
@@ -51,6 +50,7 @@ from meshforge.config import Settings
 from meshforge.envelope import Envelope
 from meshforge.errors import MissingTopology, one_line
 from meshforge.subjects import command_parts, partitioned_command_subject
+from meshforge.topology import js_api
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -173,9 +173,8 @@ async def unpin(js: JetStreamContext, stream: str, durable: str, group: str) -> 
     """Revoke the durable's pin: pulls carrying it are refused (423) from now on, and the
     next pull without one is pinned. Raises ``MissingTopology`` when the durable has no
     such group (provisioned by an older MeshForge, or a server before 2.11)."""
-    subject = f"{js._prefix}.CONSUMER.UNPIN.{stream}.{durable}"
     try:
-        await js._api_request(subject, json.dumps({"group": group}).encode(), timeout=js._timeout)
+        await js_api(js, f"CONSUMER.UNPIN.{stream}.{durable}", {"group": group})
     except APIError as exc:
         raise MissingTopology(
             f"cannot unpin consumer {stream}/{durable} (group {group!r}): {one_line(exc)}; partition "
@@ -186,7 +185,7 @@ async def unpin(js: JetStreamContext, stream: str, durable: str, group: str) -> 
 
 async def pinned_client(js: JetStreamContext, stream: str, durable: str, group: str) -> str | None:
     """The pin id the server has given out for ``group`` (None: no client is pinned)."""
-    info = await js._api_request(f"{js._prefix}.CONSUMER.INFO.{stream}.{durable}", b"", timeout=js._timeout)
+    info = await js_api(js, f"CONSUMER.INFO.{stream}.{durable}")
     for state in info.get("priority_groups") or []:
         if state.get("group") == group:
             return state.get("pinned_client_id") or None

@@ -20,7 +20,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -46,6 +45,7 @@ from meshforge.topology import (
     describe_consumer,
     describe_stream,
     diff,
+    js_api,
     policy_name,
 )
 
@@ -97,8 +97,7 @@ async def _existing_consumers(js: JetStreamManager, stream: str) -> dict[str, Co
     group fields, which a partition durable must keep (and be compared on)."""
 
     async def fetch(offset: int) -> tuple[list[tuple[str, ConsumerConfig]], int | None]:
-        request = json.dumps({"offset": offset}).encode()
-        resp = await js._api_request(f"{js._prefix}.CONSUMER.LIST.{stream}", request, timeout=js._timeout)
+        resp = await js_api(js, f"CONSUMER.LIST.{stream}", {"offset": offset})
         page: list[tuple[str, ConsumerConfig]] = [
             (c["name"], GroupedConsumerConfig.from_response(c["config"])) for c in resp.get("consumers") or []
         ]

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -63,6 +64,7 @@ __all__ = [
     "consumer_replicas",
     "default_streams",
     "ensure",
+    "js_api",
     "node_consumer",
     "partition_consumers",
     "pinned_ttl",
@@ -116,6 +118,15 @@ class StreamSpec:
 
 #: The priority group of a partition durable: its one pinned client is the partition's owner.
 OWNER_GROUP = "owner"
+
+
+async def js_api(js: JetStreamManager, api: str, request: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One JetStream API call (``api``: the subject after ``$JS.API.``), its answer as raw
+    JSON: for the priority-group fields and calls that nats-py's own API does not carry.
+    An error answer raises nats-py's ``APIError``, as its API does."""
+    body = b"" if request is None else json.dumps(request).encode()
+    answer: dict[str, Any] = await js._api_request(f"{js._prefix}.{api}", body, timeout=js._timeout)
+    return answer
 
 
 @dataclass
