@@ -8,14 +8,14 @@ both dialects plan as primary-key lookups; lists past the parameter limit are ch
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from meshforge.errors import StoreError
 from meshforge.scope import Scope
 from meshforge.store.base import NewEffect, NewState, Scoped, StoredOutput
 from meshforge.store.packing import pack_outputs, unpack_outputs
-from meshforge.store.sql import Dialect, Runner, in_clause, spoils
+from meshforge.store.sql import Dialect, Runner, spoils
 
 # The batch statements a backend may also send its own way (``meshforge.store.postgres``).
 # Each joins a ``{keys}`` table of (tenant, namespace, agent or consumer, id) rows.
@@ -89,10 +89,7 @@ class BatchMethods:
             return
         rows = [(s.scope.tenant, s.scope.namespace, agent, s.resource_id, bytes(s.data),
                  s.position, self._now) for s in last]  # fmt: skip
-        if self._d.row_at_a_time:
-            self._run.many(f"INSERT INTO {columns} VALUES {in_clause(7)}" + upsert, rows)
-        else:
-            self._run.each(f"INSERT INTO {columns} VALUES {{rows}}" + upsert, rows)
+        self._run.each(f"INSERT INTO {columns} VALUES {{rows}}" + upsert, rows)
 
     @spoils
     def effects_get(
@@ -122,25 +119,19 @@ class BatchMethods:
                 if exc.kind != "duplicate":
                     raise
                 raise self._duplicate(consumer, f"a key is already stored ({exc})") from exc
-        elif self._d.row_at_a_time:
-            # One writer at a time (BEGIN IMMEDIATE): a plain INSERT per row, and the row
-            # being inserted when the key turns out to be stored names it.
-            current: list[tuple[Any, ...]] = []
-
-            def each_row() -> Iterator[tuple[Any, ...]]:
-                for row in rows:
-                    current[:] = [row]
-                    yield row
-
-            try:
-                self._run.many(f"INSERT INTO {target} VALUES {in_clause(7)}", each_row())
-            except StoreError as exc:
-                if exc.kind != "duplicate" or not current:
-                    raise
-                tenant, namespace, _, key = current[0][:4]
-                raise self._duplicate(
-                    consumer, f"key {key!r} in {Scope(tenant, namespace)} is already stored"
-                ) from exc
+        elif self._d.embedded:
+            # A key already stored fails one statement, which undoes only itself: the keys
+            # of its rows found stored now are the ones that were stored before.
+            sql = f"INSERT INTO {target} VALUES {{rows}}"
+            for text, params, chunk in self._run.statements(sql, rows):
+                try:
+                    self._run.count(text, params, spoil=False)
+                except StoreError as exc:
+                    if exc.kind != "duplicate":
+                        raise
+                    found = self.effects_get(consumer, [(Scope(r[0], r[1]), r[3]) for r in chunk])
+                    scope, key = next(k for k, outputs in found.items() if outputs is not None)
+                    raise self._duplicate(consumer, f"key {key!r} in {scope} is already stored") from exc
         else:
             # DO NOTHING, then compare: the duplicate is named, and a concurrent transaction
             # storing the same key is waited for, as with a plain INSERT.
@@ -174,12 +165,6 @@ class BatchMethods:
 
     @spoils
     def effects_mark_published(self, consumer: str, keys: Iterable[Scoped]) -> int:
-        if self._d.row_at_a_time:
-            return self._run.many(
-                "UPDATE meshforge_effects SET published_at = ? WHERE tenant = ?"
-                " AND namespace = ? AND consumer = ? AND key = ?",
-                [(self._now, s.tenant, s.namespace, consumer, k) for s, k in sorted(set(keys))],
-            )
         return self._run.each_count(
             EFFECTS_MARK_PUBLISHED,
             [(s.tenant, s.namespace, consumer, k) for s, k in sorted(set(keys))],

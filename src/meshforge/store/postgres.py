@@ -339,7 +339,7 @@ class PostgresTransaction(SqlTransaction):
         fixed: Sequence[Any] = (),
     ) -> None:  # fmt: skip
         """Send a ``Runner.each`` statement in pipeline mode; its rows arrive on ``cursor``."""
-        for text, params in self._run.statements(sql, rows, fixed):
+        for text, params, _ in self._run.statements(sql, rows, fixed):
             cursor.execute(DIALECT.sql(text), params, prepare=False)
 
     @contextmanager

@@ -67,10 +67,12 @@ class Dialect:
     arrays: bool = False
     # Execute planned for these values, never from a cached plan (joins over key lists).
     execute_fresh: Callable[[Cursor, str, Sequence[Any]], None] | None = None
-    # Writes of many rows run one prepared single-row statement per row (``executemany``):
-    # in process, that is cheaper than building and binding one multi-row statement, and
-    # a single-row write needs no statement journal to undo its earlier rows on an error.
-    row_at_a_time: bool = False
+    # In process (SQLite). A statement costs no round trip, but each of its steps gives
+    # Python's GIL up and takes it back, which costs far more than the step itself while
+    # the event loop is busy: many rows go in few multi-row statements, of few shapes
+    # (whole chunks, then powers of two), each prepared once. A failed statement undoes
+    # only itself; the transaction goes on.
+    embedded: bool = False
 
     def ddl(self, template: str) -> str:
         """A DDL template with the dialect's column types filled in."""
@@ -198,22 +200,22 @@ class Runner:
             self.failed = True
             raise self.dialect.to_store_error(exc) from exc
 
-    def count(self, sql: str, params: Sequence[Any] = (), *, fresh: bool = False) -> int:
-        """Execute one statement; how many rows it changed."""
-        return max(self._start(sql, params, fresh=fresh).rowcount, 0)
+    def count(
+        self, sql: str, params: Sequence[Any] = (), *, fresh: bool = False, spoil: bool = True
+    ) -> int:
+        """Execute one statement; how many rows it changed. ``spoil=False``: where the
+        dialect is ``embedded``, its failure leaves the transaction usable."""
+        return max(self._start(sql, params, fresh=fresh, spoil=spoil).rowcount, 0)
 
     def insert(self, target: str, rows: Sequence[Sequence[Any]]) -> None:
         """Insert ``rows`` into ``target`` (``"table (col, ...)"``): one COPY where the
-        driver has it (several times cheaper than binding every value), else one prepared
-        INSERT per row (``row_at_a_time``) or multi-row INSERTs."""
+        driver has it (several times cheaper than binding every value), else multi-row
+        INSERTs."""
         copy_in = self.dialect.copy_in
         if not rows:
             return
         if copy_in is None:
-            if self.dialect.row_at_a_time:
-                self.many(f"INSERT INTO {target} VALUES {in_clause(len(rows[0]))}", rows)
-            else:
-                self.each(f"INSERT INTO {target} VALUES {{rows}}", rows)
+            self.each(f"INSERT INTO {target} VALUES {{rows}}", rows)
             return
         with self._sending():
             copy_in(self._cursor, target, rows)
@@ -235,19 +237,19 @@ class Runner:
         """
         fresh = "{keys}" in sql
         chunks = self._chunks(sql, rows, fixed)
-        return [row for text, params in chunks for row in self.rows(text, params, fresh=fresh)]
+        return [row for text, params, _ in chunks for row in self.rows(text, params, fresh=fresh)]
 
     def each_count(self, sql: str, rows: Sequence[Sequence[Any]], fixed: Sequence[Any] = ()) -> int:
         """Like ``each`` for a statement that changes rows: how many it changed in all."""
         fresh = "{keys}" in sql
         chunks = self._chunks(sql, rows, fixed)
-        return sum(self.count(text, params, fresh=fresh) for text, params in chunks)
+        return sum(self.count(text, params, fresh=fresh) for text, params, _ in chunks)
 
     def statements(
         self, sql: str, rows: Sequence[Sequence[Any]], fixed: Sequence[Any] = ()
-    ) -> list[tuple[str, list[Any]]]:
-        """The statements ``each`` runs for these rows (``?`` style, with their parameters),
-        for a caller that sends them its own way."""
+    ) -> list[tuple[str, list[Any], Sequence[Sequence[Any]]]]:
+        """The statements ``each`` runs for these rows (``?`` style, with their parameters,
+        and the rows each carries), for a caller that sends them its own way."""
         return list(self._chunks(sql, rows, fixed))
 
     def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
@@ -259,7 +261,7 @@ class Runner:
 
     def _chunks(
         self, sql: str, rows: Sequence[Sequence[Any]], fixed: Sequence[Any]
-    ) -> Iterator[tuple[str, list[Any]]]:
+    ) -> Iterator[tuple[str, list[Any], Sequence[Sequence[Any]]]]:
         if not rows:
             return
         width = len(rows[0])
@@ -268,15 +270,16 @@ class Runner:
                 arrays = ", ".join(["?::text[]"] * width)
                 names = ", ".join(f"column{n}" for n in range(1, width + 1))
                 source = f"SELECT * FROM unnest({arrays}) AS k({names})"
-                yield sql.replace("{keys}", source), [*fixed, *map(list, zip(*rows, strict=True))]
+                arrays_of = [*fixed, *map(list, zip(*rows, strict=True))]
+                yield sql.replace("{keys}", source), arrays_of, rows
                 return
             sql = sql.replace("{keys}", "VALUES {rows}")
-        group = "(" + ", ".join("?" * width) + ")"
         per = max(1, min(_MAX_ROWS, (self.dialect.max_params - len(fixed)) // width))
-        for start in range(0, len(rows), per):
-            chunk = rows[start : start + per]
-            params = [*fixed, *chain.from_iterable(chunk)]
-            yield sql.replace("{rows}", ", ".join([group] * len(chunk))), params
+        start = 0
+        for size in chunk_sizes(len(rows), per, shapes=self.dialect.embedded):
+            chunk = rows[start : start + size]
+            start += size
+            yield _with_rows(sql, width, size), [*fixed, *chain.from_iterable(chunk)], chunk
 
     def _ensure_open(self) -> None:
         if self.failed:
@@ -285,8 +288,10 @@ class Runner:
                 kind="error",
             )
 
-    def _start(self, sql: str, params: Sequence[Any], *, fresh: bool = False) -> Cursor:
-        with self._sending():
+    def _start(
+        self, sql: str, params: Sequence[Any], *, fresh: bool = False, spoil: bool = True
+    ) -> Cursor:
+        with self._sending(spoil=spoil):
             if fresh and self.dialect.execute_fresh is not None:
                 self.dialect.execute_fresh(self._cursor, self.dialect.sql(sql), tuple(params))
             else:
@@ -294,14 +299,15 @@ class Runner:
         return self._cursor
 
     @contextmanager
-    def _sending(self) -> Iterator[None]:
+    def _sending(self, *, spoil: bool = True) -> Iterator[None]:
         """Around one call into the driver: a failed transaction refuses it, and a driver
-        error fails the transaction and becomes a ``StoreError``."""
+        error fails the transaction (unless ``spoil`` is false and the dialect
+        ``embedded``: then only the statement failed) and becomes a ``StoreError``."""
         self._ensure_open()
         try:
             yield
         except self.dialect.driver_errors as exc:
-            self.failed = True
+            self.failed = spoil or not self.dialect.embedded
             raise self.dialect.to_store_error(exc) from exc
         except _UNBINDABLE as exc:
             # The driver could not even send the value (lone surrogate, huge integer).
@@ -330,6 +336,27 @@ def spoils(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, P]
             raise
 
     return wrapper
+
+
+def chunk_sizes(total: int, per: int, *, shapes: bool = False) -> list[int]:
+    """How many rows each statement of a multi-row write of ``total`` rows carries: at
+    most ``per``. With ``shapes``, the rest after the whole chunks goes in powers of two,
+    so a statement has one of a few texts however many rows come (each prepared once).
+
+    Example: ``chunk_sizes(1100, 500, shapes=True)`` is ``[500, 500, 64, 32, 4]``.
+    """
+    whole, rest = divmod(total, per)
+    sizes = [per] * whole
+    if not shapes:
+        return [*sizes, rest] if rest else sizes
+    return sizes + [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
+
+
+@lru_cache(maxsize=1024)
+def _with_rows(sql: str, width: int, count: int) -> str:
+    """``sql`` with ``{rows}`` as ``count`` groups of ``width`` placeholders."""
+    group = "(" + ", ".join("?" * width) + ")"
+    return sql.replace("{rows}", ", ".join([group] * count))
 
 
 def in_clause(count: int) -> str:

@@ -41,6 +41,9 @@ _MIN_VERSION = (3, 35, 0)
 # the checkpoint thread has copied all but the last few commits' pages, so that is quick,
 # and it lets the WAL start again from its beginning even while commits never pause.
 _BACKSTOP_FRAMES = 4_000
+# Prepared statements kept: the multi-row writes come in a few shapes each (see
+# ``Dialect.embedded``), more than the driver's default of 128 in all.
+_STATEMENTS = 512
 # How often the checkpoint thread copies what the WAL holds into the database.
 _CHECKPOINT_EVERY = 0.2
 # Checkpoints in a row at most, each copying what commits wrote during the one before.
@@ -72,7 +75,7 @@ DIALECT = Dialect(
     driver_errors=(sqlite3.Error,),
     # SQLite_MAX_VARIABLE_NUMBER: 32766 since 3.32, 999 before.
     max_params=32766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 999,
-    row_at_a_time=True,
+    embedded=True,
 )
 
 
@@ -165,9 +168,12 @@ class SqliteStore(SqlStore):
             if path != MEMORY:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._conn: sqlite3.Connection | None = sqlite3.connect(
-                path, isolation_level=None, check_same_thread=False, timeout=busy_ms / 1000
+                path, isolation_level=None, check_same_thread=False, timeout=busy_ms / 1000,
+                cached_statements=_STATEMENTS,
             )
             self._conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
+            # A multi-row write's statement journal (to undo it alone) stays in memory.
+            self._conn.execute("PRAGMA temp_store = MEMORY")
             self._wal = path != MEMORY and _to_wal(self._conn, self._busy_s) == "wal"
             self._conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
             self._synchronous = synchronous.upper()

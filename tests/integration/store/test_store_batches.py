@@ -129,6 +129,18 @@ def test_a_duplicate_effect_is_named_and_stores_nothing(
     ) == expected
 
 
+def test_a_duplicate_deep_in_a_big_batch_is_named_and_the_batch_stores_nothing(store: Store) -> None:
+    # 1,100 rows go in several statements (chunks, then powers of two on SQLite): the key
+    # stored before sits in a late one, after statements that stored their rows.
+    with store.transaction() as tx:
+        tx.effect_put(CONSUMER, "k-1050", "c-old", [out(0, "m-old")], scope=A)
+    batch = [NewEffect(f"k-{n}", f"c-{n}", [out(0, f"m-{n}")], A) for n in range(1100)]
+    with pytest.raises(StoreError) as caught, store.transaction() as tx:
+        tx.effects_put(CONSUMER, batch)
+    assert caught.value.kind == "duplicate" and "k-1050" in str(caught.value)
+    assert [(e.key, e.command_id) for e in store.effects_read(CONSUMER)] == [("k-1050", "c-old")]
+
+
 def test_mark_published_counts_only_stored_keys(store: Store) -> None:
     with store.transaction() as tx:
         tx.effects_put(CONSUMER, [NewEffect("k-1", "c-1", [], A), NewEffect("k-2", "c-2", [], A)])
