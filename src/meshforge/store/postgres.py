@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
+from functools import lru_cache
 from typing import Any, cast
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
@@ -55,6 +56,10 @@ from meshforge.store.sql import (
 from meshforge.store.transaction import SqlTransaction
 
 SCHEMES = ("postgresql://", "postgres://")
+# An array parameter (``?::text[]``) goes in binary: psycopg writes an array's text form in
+# Python, quoting every element (a list of 1,024 keys took 2 ms, of 1,024 byte strings
+# 8.6 ms), and its binary form at C speed (0.5 and 0.6 ms).
+_ARRAY_PARAM = re.compile(r"%s(::\w+\[\])")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 # Advisory lock class ids: one for schema migrations, one for per-resource state locks.
 _MIGRATION_LOCK = 0x4D46
@@ -76,6 +81,8 @@ def _to_store_error(exc: Exception) -> StoreError:
         return StoreError(text, kind="unavailable", retriable=True)
     if isinstance(exc, psycopg.DataError):
         # NUL in text, a bad encoding, a number out of range: this data can never be stored.
+        if isinstance(exc, pg_errors.CharacterNotInRepertoire) and "0x00" in str(exc):
+            text = f"postgresql store: text cannot contain NUL (0x00) characters ({one_line(exc)})"
         return StoreError(text, kind="invalid")
     return StoreError(text)
 
@@ -111,6 +118,12 @@ _LOCK_RESOURCES = (
     " FROM (SELECT DISTINCT hashtext(n) AS h FROM unnest(?::text[]) AS u(n)) AS l ORDER BY h"
 )
 
+@lru_cache(maxsize=512)
+def _to_pyformat(sql: str) -> str:
+    """``qmark_to_format``, with array parameters sent in binary (``%b``)."""
+    return _ARRAY_PARAM.sub(r"%b\1", qmark_to_format(sql))
+
+
 DIALECT = Dialect(
     name="postgresql",
     types={
@@ -122,7 +135,7 @@ DIALECT = Dialect(
     ts_out=_ts_out,
     to_store_error=_to_store_error,
     driver_errors=(psycopg.Error,),
-    translate=qmark_to_format,
+    translate=_to_pyformat,
     for_update=" FOR UPDATE",
     skip_locked=" FOR UPDATE SKIP LOCKED",
     resource_lock=f"SELECT pg_advisory_xact_lock({_RESOURCE_LOCK}, hashtext(?))",
