@@ -172,6 +172,9 @@ def clean_text(text: str, limit: int = 4096) -> str:
 
 # Rows per multi-row statement at most: keeps statement text and planning small.
 _MAX_ROWS = 500
+# Below this many rows, a multi-row write of an ``embedded`` dialect is one statement of
+# just that size (a power of two).
+_EXACT = 32
 
 
 class Runner:
@@ -340,16 +343,20 @@ def spoils(method: Callable[Concatenate[H, P], R]) -> Callable[Concatenate[H, P]
 
 def chunk_sizes(total: int, per: int, *, shapes: bool = False) -> list[int]:
     """How many rows each statement of a multi-row write of ``total`` rows carries: at
-    most ``per``. With ``shapes``, the rest after the whole chunks goes in powers of two,
-    so a statement has one of a few texts however many rows come (each prepared once).
+    most ``per``. With ``shapes``, the rest after the whole chunks goes in powers of two
+    from ``_EXACT`` up and what remains below it in one statement, so a statement has
+    one of a few texts however many rows come (each prepared once), and a small write
+    (a light load's) is one statement.
 
     Example: ``chunk_sizes(1100, 500, shapes=True)`` is ``[500, 500, 64, 32, 4]``.
     """
     whole, rest = divmod(total, per)
     sizes = [per] * whole
-    if not shapes:
-        return [*sizes, rest] if rest else sizes
-    return sizes + [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
+    if shapes:
+        bits = range(_EXACT.bit_length() - 1, rest.bit_length())
+        sizes += [1 << bit for bit in reversed(bits) if rest >> bit & 1]
+        rest &= _EXACT - 1
+    return [*sizes, rest] if rest else sizes
 
 
 @lru_cache(maxsize=1024)
