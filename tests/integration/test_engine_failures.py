@@ -174,6 +174,9 @@ class FlakyStore:
 
         return tx()
 
+    def transaction_now(self) -> None:
+        return None  # every transaction through ``transaction``, where the failures are
+
 
 async def test_store_errors_nak_the_batch_and_nothing_is_half_done(nats_url: str, sqlite_url: str) -> None:
     for error, times in (

@@ -1,13 +1,30 @@
-"""A worker lets its store threads have the GIL back quickly: each SQL statement gives it up."""
+"""Threads of a worker: its store threads have the GIL back quickly (each SQL statement
+gives it up), and a light load's transactions run on the event loop's own thread."""
 
 from __future__ import annotations
 
 import sys
+import threading
+import time
+import uuid
 from collections.abc import Iterator
 
+import msgspec
 import pytest
-from test_engine_support import ledger_agent, open_store_async, running, settings_for
+from test_engine_support import (
+    events_of,
+    ledger_agent,
+    open_conn,
+    open_store_async,
+    running,
+    send,
+    settings_for,
+    wait_until,
+)
 
+from meshforge.connection import Connection
+from meshforge.envelope import Envelope
+from meshforge.runtime.agent import Agent, Event, Output, command
 from meshforge.runtime.worker import SWITCH_INTERVAL, quick_thread_switches
 
 
@@ -37,3 +54,55 @@ def test_a_program_that_chose_its_own_switch_interval_keeps_it() -> None:
     sys.setswitchinterval(0.002)
     quick_thread_switches()
     assert sys.getswitchinterval() == pytest.approx(0.002)
+
+
+class Count(msgspec.Struct):
+    n: int = 0
+
+
+def tally_agent() -> Agent[Count]:
+    """Plain-function handler; ``add {"id", "block"?}`` notes the thread it ran on and
+    blocks that thread ``block`` seconds (a handler doing blocking I/O)."""
+
+    class Tally(Agent[Count]):
+        name = f"tal{uuid.uuid4().hex[:8]}"
+        threads: list[str] = []
+
+        @command("add", key="id")
+        def add(self, cmd: Envelope, state: Count) -> list[Output]:
+            self.threads.append(threading.current_thread().name)
+            time.sleep(float(cmd.payload.get("block", 0)))
+            return [Event("added", {"id": cmd.payload["id"]})]
+
+        def apply(self, state: Count, event: Event) -> Count:
+            return Count(state.n + 1)
+
+    return Tally()
+
+
+async def test_a_light_load_commits_on_the_event_loop_until_a_handler_blocks_it(
+    nats_url: str, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent = tally_agent()
+    loop_thread = threading.current_thread().name
+    store = await open_store_async(sqlite_url)
+    conn = await open_conn(settings_for(nats_url, sqlite_url))
+    try:
+        async with running([agent], settings_for(nats_url, sqlite_url), store=store):
+            for n, block in enumerate((0, 0.05, 0, 0)):  # one command at a time: light load
+                await send(conn, agent.name, "add", {"id": f"r{n}", "block": block})
+                await wait_until(lambda n=n: _events(conn, agent.name, n + 1), what=f"event {n + 1}")
+        threads = agent.threads  # type: ignore[attr-defined]
+        # On the loop's own thread, blocking it once; then in the store thread for good.
+        assert threads[:2] == [loop_thread, loop_thread]
+        assert all(t.startswith(f"meshforge-{agent.name}-store") for t in threads[2:]) and len(threads) == 4
+        said = [r.getMessage() for r in caplog.records if r.name == "meshforge.engine"]
+        assert any("on the event loop" in s and "store thread from now on" in s for s in said), said
+        assert len(await events_of(conn, agent.name)) == 4
+    finally:
+        await conn.close()
+        store.close()
+
+
+async def _events(conn: Connection, agent: str, count: int) -> bool:
+    return len(await events_of(conn, agent)) >= count

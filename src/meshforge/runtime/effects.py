@@ -31,11 +31,14 @@ from meshforge.scope import Scope
 from meshforge.store.base import NewEffect, NewEvent, Store, StoredOutput, Transaction
 from meshforge.store.logtail import DuplicateEffect, append_with_states, read_group, store_effects
 
-__all__ = ["Conflict", "EffectStore", "Plan", "Work", "drive"]
+__all__ = ["Conflict", "EffectStore", "Opened", "Plan", "Work", "drive"]
 
 log = logging.getLogger("meshforge.engine")
 T = TypeVar("T")
 Slot = tuple[Scope, str]  # a resource (or an idempotency key) of one scope
+# A begun transaction with what it read: (cm to leave, tx, states, stored effects).
+Opened = tuple[AbstractContextManager[Transaction], Transaction, dict[Slot, bytes | None],
+               dict[Slot, list[StoredOutput] | None]]  # fmt: skip
 
 
 def drive(coro: Coroutine[Any, Any, T]) -> T:
@@ -90,13 +93,17 @@ class EffectStore:
         self.store = store
         self.consumer = consumer
 
-    def open(
-        self, works: list[Work]
-    ) -> tuple[AbstractContextManager[Transaction], Transaction, dict[tuple[Scope, str], bytes | None],
-               dict[tuple[Scope, str], list[StoredOutput] | None]]:  # fmt: skip
+    def open(self, works: list[Work]) -> Opened:
         """BEGIN, lock and read the resources, read the stored effects."""
         cm = self.store.transaction()
-        tx = cm.__enter__()
+        return self._read(cm, cm.__enter__(), works)
+
+    def open_now(self, works: list[Work]) -> Opened | None:
+        """``open`` if the store can begin a transaction without waiting, else None."""
+        begun = self.store.transaction_now()
+        return None if begun is None else self._read(*begun, works)
+
+    def _read(self, cm: AbstractContextManager[Transaction], tx: Transaction, works: list[Work]) -> Opened:
         try:
             # One statement each for the whole group; the store locks in one order for
             # every worker.

@@ -353,6 +353,15 @@ class Store(Protocol):
         """
         ...
 
+    def transaction_now(
+        self,
+    ) -> tuple[AbstractContextManager[Transaction], Transaction] | None:
+        """A transaction begun without waiting, as ``(cm, tx)`` (``cm`` entered: leave it
+        to commit or roll back), or None where beginning one would wait: another
+        transaction holds the store, or the store is across a network (PostgreSQL: always
+        None). For a caller that runs a short transaction on its event loop."""
+        ...
+
     def run(self, work: Callable[[Transaction], T], *, attempts: int = 5) -> T:
         """Run ``work(tx)`` in a transaction, again while it fails with a retriable error."""
         ...

@@ -97,9 +97,15 @@ class SqlStore(ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._dialect.name}>"
 
+    def transaction(self) -> AbstractContextManager[Transaction]:
+        return self._transaction(self._session(write=True))
+
+    def transaction_now(self) -> tuple[AbstractContextManager[Transaction], Transaction] | None:
+        return None  # across a network; SQLite's store overrides it
+
     @contextmanager
-    def transaction(self) -> Iterator[Transaction]:
-        with self._session(write=True) as cursor:
+    def _transaction(self, session: AbstractContextManager[Cursor]) -> Iterator[Transaction]:
+        with session as cursor:
             tx = SqlTransaction(Runner(self._dialect, cursor), self._clock())
             yield tx
             if tx.failed:

@@ -22,11 +22,12 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 from meshforge.errors import StoreError, one_line
+from meshforge.store.base import Transaction
 from meshforge.store.core import Clock, SqlStore
 from meshforge.store.schema import migrate
 from meshforge.store.sql import Cursor, Dialect, sqlite_ts_in, sqlite_ts_out, url_error
@@ -48,6 +49,10 @@ _STATEMENTS = 512
 _CHECKPOINT_EVERY = 0.2
 # Checkpoints in a row at most, each copying what commits wrote during the one before.
 _CATCH_UP = 8
+
+
+class _WouldWait(Exception):
+    """A transaction asked for without waiting could not begin at once."""
 
 
 def _to_store_error(exc: Exception) -> StoreError:
@@ -199,12 +204,25 @@ class SqliteStore(SqlStore):
         with self._session(write=True, synchronous="NORMAL" if self._wal else None) as cursor:
             yield cursor
 
+    def transaction_now(self) -> tuple[AbstractContextManager[Transaction], Transaction] | None:
+        cm = self._transaction(self._session(write=True, wait=False))
+        try:
+            return cm, cm.__enter__()
+        except _WouldWait:
+            return None
+
     @contextmanager
-    def _session(self, *, write: bool, synchronous: str | None = None) -> Iterator[Cursor]:
+    def _session(
+        self, *, write: bool, synchronous: str | None = None, wait: bool = True
+    ) -> Iterator[Cursor]:
         # Bounded wait: a transaction left open (or opened inside another) surfaces as a
         # retriable error instead of hanging every thread. Entering and leaving may happen
         # on different threads (asyncio.to_thread), so the lock is not tied to one.
-        if not self._lock.acquire(timeout=self._busy_s):
+        # ``wait=False``: raise _WouldWait rather than wait for this lock or SQLite's.
+        if not wait:
+            if not self._lock.acquire(blocking=False):
+                raise _WouldWait()
+        elif not self._lock.acquire(timeout=self._busy_s):
             raise StoreError(
                 f"sqlite store: waited {self._busy_s:g}s for another transaction of this"
                 " process to finish (busy_timeout); is one left open, or opened inside another?",
@@ -219,7 +237,10 @@ class SqliteStore(SqlStore):
             if synchronous is not None and synchronous != self._synchronous:
                 conn.execute(f"PRAGMA synchronous = {synchronous}")
                 relaxed = True
-            self._begin(conn, write)
+            if wait:
+                self._begin(conn, write)
+            else:
+                self._begin_now(conn, write)
             try:
                 yield conn.cursor()
             except BaseException:
@@ -242,6 +263,18 @@ class SqliteStore(SqlStore):
             conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
         except sqlite3.Error as exc:
             raise _to_store_error(exc) from exc
+
+    def _begin_now(self, conn: sqlite3.Connection, write: bool) -> None:
+        """BEGIN, or _WouldWait if another connection (another process) holds the lock."""
+        conn.execute("PRAGMA busy_timeout = 0")
+        try:
+            self._begin(conn, write)
+        except StoreError as exc:
+            if exc.kind == "busy":
+                raise _WouldWait() from exc
+            raise
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {round(self._busy_s * 1000)}")
 
     @staticmethod
     def _rollback(conn: sqlite3.Connection) -> None:
