@@ -75,9 +75,11 @@ _STORE_RETRY_DELAY = 0.5
 _MARK_IDLE = 1.0  # seconds without a commit before published marks get their own
 _GROUP_BATCHES = 4  # fetches one transaction may take under a backlog
 # A group this small runs its transaction on the event loop when the store allows
-# (``Engine._run_inline``); one that takes longer than the bound (seconds) ends that.
+# (``Engine._run_inline``); handlers longer than the bound (seconds) end that, a
+# transaction longer than it pauses that.
 _INLINE_MAX = 8
 _INLINE_BOUND = 0.02
+_INLINE_PAUSE, _INLINE_PAUSE_MAX = 1.0, 60.0
 
 
 def consumer_name(agent: str) -> str:
@@ -139,7 +141,11 @@ class Engine(Generic[S]):
         self._stage = PublishStage(self.consumer, publisher)
         self._tx = EffectStore(agent, store, self.consumer)
         self._marks = PublishedMarks(self._flush_marks, idle=_MARK_IDLE)
-        self._inline = True  # small groups' transactions may run on the event loop
+        # Small groups' transactions may run on the event loop (``_run_inline``).
+        self._inline = True
+        self._inline_after = 0.0  # not before this time (monotonic)
+        self._inline_pause = _INLINE_PAUSE
+        self._handlers_took = 0.0  # seconds, the last group's handlers
 
     def close(self) -> None:
         """Release the store thread (the store itself belongs to the caller)."""
@@ -339,9 +345,13 @@ class Engine(Generic[S]):
         without waiting (else None): for a small group whose handlers are all plain
         functions. No hand-over to the store thread and back, no contention with this
         thread for the GIL on every statement: at a light load that halves a command's
-        latency. The loop must not stall, though: one such transaction that took longer
-        than ``_INLINE_BOUND`` (a handler that blocks, a slow disk) sends every later one
-        to the store thread."""
+        latency. The loop must not stall, though. Handlers that took longer than
+        ``_INLINE_BOUND`` (one that blocks) send every later transaction to the store
+        thread; a transaction that did for another reason (a slow disk, a checkpoint, the
+        machine pausing the process) sends the next second's there, the next two seconds'
+        if the first one after that is slow again, and so on up to a minute."""
+        if time.monotonic() < self._inline_after:
+            return None
         started = time.monotonic()
         begun = self._tx.open_now(works)
         if begun is None:
@@ -350,13 +360,23 @@ class Engine(Generic[S]):
             return self._run_opened(works, marks, begun)
         finally:
             took = time.monotonic() - started
-            if took > _INLINE_BOUND:
+            if self._handlers_took > _INLINE_BOUND:
                 self._inline = False
                 log.warning(
-                    "%s: a transaction took %.0f ms on the event loop; this agent's"
-                    " transactions run in its store thread from now on",
-                    self.consumer, took * 1e3,
+                    "%s: handlers took %.0f ms on the event loop; this agent's transactions"
+                    " run in its store thread from now on",
+                    self.consumer, self._handlers_took * 1e3,
                 )  # fmt: skip
+            elif took > _INLINE_BOUND:
+                self._inline_after = time.monotonic() + self._inline_pause
+                log.info(
+                    "%s: a transaction took %.0f ms on the event loop; the next %g s of"
+                    " them run in the store thread",
+                    self.consumer, took * 1e3, self._inline_pause,
+                )  # fmt: skip
+                self._inline_pause = min(2 * self._inline_pause, _INLINE_PAUSE_MAX)
+            else:
+                self._inline_pause = _INLINE_PAUSE
 
     def _run_here(self, works: list[Work], marks: list[tuple[Scope, str]]) -> Plan:
         """The whole transaction in the store thread (every handler a plain function)."""
@@ -365,7 +385,9 @@ class Engine(Generic[S]):
     def _run_opened(self, works: list[Work], marks: list[tuple[Scope, str]], begun: Opened) -> Plan:
         cm, tx, raw, stored = begun
         try:
+            started = time.monotonic()
             plan = drive(self._process(works, raw, stored))
+            self._handlers_took = time.monotonic() - started
             crash_point("after_handler")
         except BaseException as exc:
             self._tx.abort(cm, exc)
