@@ -119,7 +119,8 @@ class Delivery:
     """One delivery of a JetStream message to a consumer.
 
     ``timestamp`` is the time the stream stored the message (UTC); ``num_delivered`` counts
-    this delivery (1 the first time). ``envelope`` is None only for a consumer built with
+    this delivery (1 the first time); ``pending``, the messages the consumer still had to
+    deliver after this one when the server sent it (its backlog). ``envelope`` is None only for a consumer built with
     ``decode=False``. ``metadata`` is for middlewares to pass facts inward (each middleware
     module names its keys as constants).
     """
@@ -135,6 +136,7 @@ class Delivery:
     envelope: Envelope | None = None
     consumer: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    pending: int = 0
 
     @classmethod
     def of(cls, msg: Msg, consumer: str = "") -> Delivery:
@@ -144,13 +146,15 @@ class Delivery:
             # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>
             stream, seq, delivered, named = tokens[2], int(tokens[5]), int(tokens[4]), tokens[3]
             stamp = datetime.fromtimestamp(int(tokens[7]) / 1e9, UTC)
+            pending = int(tokens[8])
         else:  # nats-py knows every form (domains); this one is rarer
             meta = msg.metadata
             stream, seq, delivered, named = meta.stream, meta.sequence.stream, meta.num_delivered, meta.consumer
-            stamp = meta.timestamp
+            stamp, pending = meta.timestamp, meta.num_pending or 0
         return cls(
             msg=msg, subject=msg.subject, data=msg.data, headers=dict(msg.headers or {}),
             stream=stream, seq=seq, num_delivered=delivered, timestamp=stamp, consumer=consumer or named,
+            pending=pending,
         )  # fmt: skip
 
     @property

@@ -319,7 +319,10 @@ class Engine(Generic[S]):
         failure: BaseException | None = None
         try:
             if self._sync_commands.issuperset(w.spec.name for w in works):
-                inline = self._inline and len(works) <= _INLINE_MAX
+                # A light load only: a backlog at the server (or here) wants the store
+                # thread, which commits while this loop fetches and publishes.
+                inline = (self._inline and len(works) <= _INLINE_MAX and not self._queue
+                          and works[-1].delivery.pending == 0)  # fmt: skip
                 ran = self._run_inline(works, marks) if inline else None
                 plan = ran if ran is not None else await self._in_thread(self._run_here, works, marks)
             else:
@@ -343,7 +346,7 @@ class Engine(Generic[S]):
     def _run_inline(self, works: list[Work], marks: list[tuple[Scope, str]]) -> Plan | None:
         """The whole transaction right here on the event loop, if the store can begin it
         without waiting (else None): for a small group whose handlers are all plain
-        functions. No hand-over to the store thread and back, no contention with this
+        functions, with no backlog behind it. No hand-over to the store thread and back, no contention with this
         thread for the GIL on every statement: at a light load that halves a command's
         latency. The loop must not stall, though. Handlers that took longer than
         ``_INLINE_BOUND`` (one that blocks) send every later transaction to the store
