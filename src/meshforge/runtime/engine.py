@@ -80,6 +80,7 @@ _GROUP_BATCHES = 4  # fetches one transaction may take under a backlog
 _INLINE_MAX = 8
 _INLINE_BOUND = 0.02
 _INLINE_PAUSE, _INLINE_PAUSE_MAX = 1.0, 60.0
+_INLINE_LAG = 0.003
 
 
 def consumer_name(agent: str) -> str:
@@ -145,6 +146,7 @@ class Engine(Generic[S]):
         self._inline = True
         self._inline_after = 0.0  # not before this time (monotonic)
         self._inline_pause = _INLINE_PAUSE
+        self._least_age, self._aged_at = float("inf"), time.time()  # see ``_behind``
         self._handlers_took = 0.0  # seconds, the last group's handlers
 
     def close(self) -> None:
@@ -322,7 +324,7 @@ class Engine(Generic[S]):
                 # A light load only: a backlog at the server (or here) wants the store
                 # thread, which commits while this loop fetches and publishes.
                 inline = (self._inline and len(works) <= _INLINE_MAX and not self._queue
-                          and works[-1].delivery.pending == 0)  # fmt: skip
+                          and works[-1].delivery.pending == 0 and not self._behind(works[0]))  # fmt: skip
                 ran = self._run_inline(works, marks) if inline else None
                 plan = ran if ran is not None else await self._in_thread(self._run_here, works, marks)
             else:
@@ -342,6 +344,17 @@ class Engine(Generic[S]):
             self._marks.done(marks, failure, retry=retry)
         crash_point("after_commit")
         return plan
+
+    def _behind(self, oldest: Work) -> bool:
+        """Whether the oldest command of a group waited here longer than ``_INLINE_LAG``
+        (a backlog in this process, which the server's pending count does not see): its
+        age since the stream stored it, less the least age seen lately (transit, and the
+        offset between the two clocks), which may creep up 1 ms a second with the clocks."""
+        now = time.time()
+        age = now - oldest.delivery.timestamp.timestamp()
+        self._least_age = min(age, self._least_age + (now - self._aged_at) * 1e-3)
+        self._aged_at = now
+        return age - self._least_age > _INLINE_LAG
 
     def _run_inline(self, works: list[Work], marks: list[tuple[Scope, str]]) -> Plan | None:
         """The whole transaction right here on the event loop, if the store can begin it

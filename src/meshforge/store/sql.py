@@ -174,7 +174,7 @@ def clean_text(text: str, limit: int = 4096) -> str:
 _MAX_ROWS = 500
 # Below this many rows, a multi-row write of an ``embedded`` dialect is one statement of
 # just that size (a power of two).
-_EXACT = 32
+_EXACT = 8
 
 
 class Runner:

@@ -44,7 +44,7 @@ _MIN_VERSION = (3, 35, 0)
 _BACKSTOP_FRAMES = 4_000
 # Prepared statements kept: the multi-row writes come in a few shapes each (see
 # ``Dialect.embedded``), more than the driver's default of 128 in all.
-_STATEMENTS = 512
+_STATEMENTS = 256
 # How often the checkpoint thread copies what the WAL holds into the database, and how
 # soon again after a round that found the WAL past an eighth of the backstop.
 _CHECKPOINT_EVERY, _CHECKPOINT_SOON = 0.2, 0.02
