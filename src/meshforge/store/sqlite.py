@@ -182,8 +182,6 @@ class SqliteStore(SqlStore):
                 cached_statements=_STATEMENTS,
             )
             self._conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
-            # A multi-row write's statement journal (to undo it alone) stays in memory.
-            self._conn.execute("PRAGMA temp_store = MEMORY")
             self._wal = path != MEMORY and _to_wal(self._conn, self._busy_s) == "wal"
             self._conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
             self._synchronous = synchronous.upper()
