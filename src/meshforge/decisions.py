@@ -120,9 +120,9 @@ class Delivery:
 
     ``timestamp`` is the time the stream stored the message (UTC); ``num_delivered`` counts
     this delivery (1 the first time); ``pending``, the messages the consumer still had to
-    deliver after this one when the server sent it (its backlog). ``envelope`` is None only for a consumer built with
-    ``decode=False``. ``metadata`` is for middlewares to pass facts inward (each middleware
-    module names its keys as constants).
+    deliver after this one when the server sent it (its backlog). ``envelope`` is None
+    only for a consumer built with ``decode=False``. ``metadata`` is for middlewares to
+    pass facts inward (each middleware module names its keys as constants).
     """
 
     msg: Msg

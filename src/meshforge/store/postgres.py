@@ -118,6 +118,7 @@ _LOCK_RESOURCES = (
     " FROM (SELECT DISTINCT hashtext(n) AS h FROM unnest(?::text[]) AS u(n)) AS l ORDER BY h"
 )
 
+
 @lru_cache(maxsize=512)
 def _to_pyformat(sql: str) -> str:
     """``qmark_to_format``, with array parameters sent in binary (``%b``)."""

@@ -70,8 +70,8 @@ class Dialect:
     # In process (SQLite). A statement costs no round trip, but each of its steps gives
     # Python's GIL up and takes it back, which costs far more than the step itself while
     # the event loop is busy: many rows go in few multi-row statements, of few shapes
-    # (whole chunks, then powers of two), each prepared once. A failed statement undoes
-    # only itself; the transaction goes on.
+    # (``chunk_sizes``), each prepared once. A failed statement undoes only itself; the
+    # transaction goes on.
     embedded: bool = False
 
     def ddl(self, template: str) -> str:
@@ -172,8 +172,8 @@ def clean_text(text: str, limit: int = 4096) -> str:
 
 # Rows per multi-row statement at most: keeps statement text and planning small.
 _MAX_ROWS = 500
-# Below this many rows, a multi-row write of an ``embedded`` dialect is one statement of
-# just that size (a power of two).
+# Below this many rows (a power of two), a multi-row write of an ``embedded`` dialect is
+# one statement of just that size.
 _EXACT = 8
 
 
@@ -362,8 +362,7 @@ def chunk_sizes(total: int, per: int, *, shapes: bool = False) -> list[int]:
 @lru_cache(maxsize=1024)
 def _with_rows(sql: str, width: int, count: int) -> str:
     """``sql`` with ``{rows}`` as ``count`` groups of ``width`` placeholders."""
-    group = "(" + ", ".join("?" * width) + ")"
-    return sql.replace("{rows}", ", ".join([group] * count))
+    return sql.replace("{rows}", ", ".join([in_clause(width)] * count))
 
 
 def in_clause(count: int) -> str:
