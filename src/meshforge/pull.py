@@ -55,6 +55,7 @@ _SLACK = 0.5
 _IDLE_MIN, _IDLE_MAX = 0.05, 1.0
 _SILENT_REBUILD = 2  # silent requests in a row before the subscription is rebuilt
 _STALL_CHECK = 10.0  # seconds of empty fetches between checks of the pending count
+_DRAIN_TIMEOUT = 2.0  # seconds for the server to confirm an unsubscribe
 
 
 @dataclass(slots=True)
@@ -270,7 +271,7 @@ class PullSource:
 
     async def rebuild(self) -> list[Msg]:
         """Drop the inbox and subscribe a fresh one; returns messages left behind."""
-        leftovers = await self._unsubscribe()
+        leftovers = await self._unsubscribe(drain=False)  # the server went quiet: no waiting on it
         await self.start()
         self.rebuilds += 1
         return leftovers
@@ -278,14 +279,25 @@ class PullSource:
     async def close(self) -> list[Msg]:
         """Unsubscribe (the server drops a waiting request with no interest); returns
         messages delivered but not handed out, which the caller must nak."""
-        return await self._unsubscribe()
+        return await self._unsubscribe(drain=True)
 
-    async def _unsubscribe(self) -> list[Msg]:
+    async def _unsubscribe(self, *, drain: bool) -> list[Msg]:
+        """Unsubscribe; ``drain``: and wait for the server's answer to a ping, still taking
+        what arrives. A request given up on may be answered until the server has
+        our unsubscribe; without the wait, a message it sent meanwhile would be dropped on
+        arrival and stay unacknowledged, out of everyone's hands, until its ack wait ran
+        out (a partition's next owner would apply later commands first)."""
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = self._watching = None
         sub, self._sub = self._sub, None
-        if sub is not None:
+        if sub is not None and drain:
+            try:
+                async with asyncio.timeout(_DRAIN_TIMEOUT):
+                    await sub.drain()  # type: ignore[no-untyped-call]
+            except Exception:  # closed or unreachable: nothing more can arrive
+                self._nc._remove_sub(sub._id)  # a drain cut short leaves it registered
+        elif sub is not None:
             with contextlib.suppress(Exception):  # a closed connection has no interest left
                 await sub.unsubscribe()
         return self._drain_local()

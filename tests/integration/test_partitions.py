@@ -203,8 +203,10 @@ def check_order(
 ) -> None:
     """Each resource's commands applied once each, in the order they were stored (``ordered``)."""
     by_resource: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    applier: dict[tuple[str, int], Any] = {}  # which worker applied it: said on a failure
     for env in events:
         by_resource[env.resource_id or ""].append((env.payload["seq"], env.payload["after"]))
+        applier[(env.resource_id or "", env.payload["seq"])] = env.payload.get("pid")
     expected = {f"r{r}": upto for r in range(resources)} | extra
     assert {r: len(v) for r, v in by_resource.items()} == expected
     for resource, steps in by_resource.items():
@@ -212,7 +214,9 @@ def check_order(
         if not ordered:
             continue
         wrong = next((i for i, (s, a) in enumerate(steps) if (s, a) != (i, i - 1)), None)
-        assert wrong is None, f"{resource} applied out of order: {steps[max(0, wrong - 2) : wrong + 3]} (seq, after)"
+        if wrong is not None:
+            near = [(s, a, applier[(resource, s)]) for s, a in steps[max(0, wrong - 3) : wrong + 4]]
+            raise AssertionError(f"{resource} applied out of order: {near} (seq, after, worker pid)")
 
 
 async def test_two_workers_split_partitions_keep_order_and_survive_a_kill(

@@ -156,3 +156,32 @@ async def test_ack_many_acks_every_message_once_and_direct_delivery_keeps_order(
     assert info.ack_floor.stream_seq == 50
     with pytest.raises(nats.errors.MsgAlreadyAckdError):
         await conn.nc.ack_many(got[:1])  # type: ignore[attr-defined]
+
+
+
+async def test_a_source_closed_while_a_message_is_on_its_way_hands_it_back(
+    conn: Connection, js: JetStreamContext, stream: str
+) -> None:
+    """A fetch given up on (its consumer is stopping) leaves a request the server may still
+    answer; a message it sends as the source closes must come back to the caller (to nak),
+    not be dropped on arrival: dropped, it stays unacknowledged until its ack wait runs
+    out, and a partition handed to another worker meanwhile has that worker apply the
+    resource's later commands first. Closing returns what came; the rest was not sent."""
+    subject = f"{stream.lower()}.c"
+    lost: list[int] = []
+    for rounds in range(30):
+        durable = f"closing{rounds}"
+        await js.add_consumer(stream, durable_name=durable, ack_policy="explicit", ack_wait=60,
+                              deliver_policy="new")  # fmt: skip
+        await js.publish(subject, b"x")
+        source = PullSource(conn.nc, stream, durable)
+        await source.start()
+        stopping = asyncio.Event()
+        stopping.set()  # the request goes out, and the fetch gives up on it at once
+        given = (await source.fetch(4, stopping)).messages
+        given += await source.close()
+        await conn.nc.flush()
+        if (await js.consumer_info(stream, durable)).num_ack_pending != len(given):
+            lost.append(rounds)
+        await js.delete_consumer(stream, durable)
+    assert not lost, f"delivered but not handed back in rounds {lost} of 30"
