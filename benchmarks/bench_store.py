@@ -12,7 +12,7 @@ database made for the run and dropped after.
 S4 (PostgreSQL >= 0.7x SQLite) is the agent's floor, measured by ``bench_agent.py``; this
 script prints the store path's ratio beside it as a diagnostic.
 
-    python benchmarks/bench_store.py [--batches 150] [--rounds 5] [--quick]
+    python benchmarks/bench_store.py [--batches 100] [--rounds 3] [--quick]
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def main(batches: int, rounds: int, pg_admin: str) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batches", type=int, default=150)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/postgres", help="admin URL")
     parser.add_argument("--quick", action="store_true", help="30 batches, 3 rounds")
     args = parser.parse_args()

@@ -59,10 +59,12 @@ def main() -> int:
     wanted = {f"bench_{name.strip()}.py" for name in args.only.split(",") if name.strip()}
     failed: list[str] = []
     floors: list[dict[str, object]] = []
+    took: dict[str, float] = {}
     started = time.monotonic()
     for script in sorted(here.glob("bench_*.py")):
         if wanted and script.name not in wanted:
             continue
+        began = time.monotonic()
         for attempt in (1, 2):
             print(f"\n=== {script.name}{' (again)' if attempt == 2 else ''} ===", flush=True)
             rc, found = run(script, ["--quick"] if args.quick else [])
@@ -71,6 +73,9 @@ def main() -> int:
                 break
         else:
             failed.append(script.name)
+        took[script.name] = time.monotonic() - began
+    print("\n=== minutes per script ===")
+    print("  ".join(f"{name.removeprefix('bench_').removesuffix('.py')} {t / 60:.1f}" for name, t in took.items()))
     summary(floors, time.monotonic() - started)
     if failed:
         print(f"\nfailed: {', '.join(failed)}")
