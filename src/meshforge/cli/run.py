@@ -64,7 +64,7 @@ def run(
     stream), nothing is lost.
     """
     from meshforge.observability import configure_logging
-    from meshforge.runtime.worker import import_from_cwd, load_agent
+    from meshforge.runtime.worker import freeze_start_up_heap, import_from_cwd, load_agent
 
     settings = service_settings(
         store=store, nats_url=nats_url, no_provision=no_provision, metrics_port=metrics_port,
@@ -87,6 +87,7 @@ def run(
     instances = [load_agent(spec) for spec in agents]
     with nats_target(settings.nats_url) as url:
         target = dataclasses.replace(settings, nats_url=url)
+        freeze_start_up_heap()
         asyncio.run(_serve(instances, target, deliver_group=deliver_group, relay=relay))
 
 
