@@ -78,6 +78,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("meshforge.consumer")
+# A batch consumer that caught up with its stream waits up to this long (seconds) for its
+# work in flight before fetching again (``PullLoop``): at 1,000 commands a second an
+# agent's p50 went from 15-25 ms to 12-13 ms, its p99 from 62-66 to 28-40 (a slow VM).
+_GATHER = 0.01
 
 
 async def _leave(msg: Msg) -> None:
@@ -377,6 +381,7 @@ class Consumer:
             closed=lambda: self._conn.nc.is_closed,
             fenced=self._pin_revoked if self.priority_group else None,
             unpinned_idle=self._on_unpinned_idle if self.priority_group else None,
+            gather=_GATHER if batch else 0.0,
         )
         self.ready.set()
         log.info("consumer %s/%s pulling", self.stream, self.durable)

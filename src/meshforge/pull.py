@@ -312,6 +312,14 @@ class PullLoop:
     server reports pending messages make it rebuild: a fresh inbox, and ``recover()``
     (which provisions the consumer again when allowed).
 
+    With ``gather`` (seconds; batch consumers), a fetch that got fewer messages than it
+    asked for (the server had no more: a steady load, not a backlog) is followed by a wait
+    until nothing is in flight, ``gather`` at most, before the next fetch. Messages that
+    arrive meanwhile would wait behind the work in flight anyway; taken together they are
+    one pull request and one batch instead of one for every message or two. No wait when
+    nothing is in flight (a light load's message is fetched at once) or when fetches come
+    back full (a backlog).
+
     On a consumer with a pinned_client priority group, a 423 (our pin was revoked: another
     client was given the consumer) ends the loop at once after ``fenced()``; an empty
     fetch while not pinned calls ``unpinned_idle()`` (which may find another client pinned).
@@ -333,8 +341,10 @@ class PullLoop:
         closed: Callable[[], bool],
         fenced: Callable[[], Awaitable[None]] | None = None,
         unpinned_idle: Callable[[], Awaitable[None]] | None = None,
+        gather: float = 0.0,
     ) -> None:
         self.source = source
+        self._gather = gather
         self._stop = stop
         self._batch_size = batch_size
         self._wait_free = wait_free
@@ -363,6 +373,8 @@ class PullLoop:
                 crash_point("after_fetch")
                 idle, silent, idle_since = _IDLE_MIN, 0, None
                 self._dispatch(result.messages)
+                if self._gather > 0 and len(result.messages) < min(self._batch_size, free):
+                    await self._gather_arrivals()
                 continue
             if result.outcome == "stopped":
                 return
@@ -394,6 +406,15 @@ class PullLoop:
                         await self.rebuild(f"{pending} messages pending but fetches return none")
             await self._sleep(idle - (time.monotonic() - started))
             idle = min(idle * 2, _IDLE_MAX)
+
+    async def _gather_arrivals(self) -> None:
+        """After a fetch that emptied the server's queue: let what arrives while work is
+        in flight gather at the server, until nothing is in flight or ``gather`` seconds
+        pass, and take it in one fetch then, not in many small ones."""
+        if self._in_flight() == 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wait_free(1), self._gather)
 
     async def rebuild(self, why: str) -> None:
         """A fresh inbox; messages left in the old one are nak'ed; then ``recover()``."""

@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 
 from meshforge.connection import Connection
 from meshforge.consumer import Consumer, Decision, Delivery, Handler
+from meshforge.envelope import Envelope
 from meshforge.middleware.tracing import SPAN_ID, TRACE_ID
 from meshforge.observability import Metrics
 from meshforge.subjects import STREAM_COMMANDS
@@ -115,6 +116,37 @@ async def test_batch_handler_gets_one_fetch_at_a_time_and_is_kept_alive(
     info = await js.consumer_info(STREAM_COMMANDS, spec.durable)
     assert info.num_redelivered == 0
     assert counter_value(metrics.dead_lettered, consumer=spec.durable, reason="malformed") == 1
+
+
+async def test_a_batch_consumer_takes_a_steady_trickle_in_few_batches(
+    conn: Connection, js: JetStreamContext
+) -> None:
+    # Commands arrive one every 2 ms while each batch takes 30 ms: what comes meanwhile
+    # waits at the server for the batch in flight and comes in one fetch, instead of a
+    # fetch and a batch for each command or two.
+    s = settings(batch_size=64)
+    agent, metrics = unique_agent(), Metrics()
+    spec = agent_consumer(agent, s)
+    batches: list[list[int]] = []
+
+    async def handle_batch(ds: Sequence[Delivery]) -> list[Decision]:
+        batches.append([d.envelope.payload["n"] for d in ds if d.envelope])
+        await asyncio.sleep(0.03)  # the batch's work
+        return [Decision.ack() for _ in ds]
+
+    await provision_all(js, s, spec)
+    consumer = Consumer(conn, spec, batch_handler=handle_batch, settings=s, metrics=metrics)
+    async with running(consumer):
+        started = time.monotonic()
+        for env in [Envelope.new("test.do", {"n": i}) for i in range(100)]:
+            await js.publish(subject_for(agent), env.encode(), headers=env.headers())
+            await asyncio.sleep(0.002)  # the load's pace
+        took = time.monotonic() - started
+        await wait_until(lambda: counter_value(metrics.acked, consumer=spec.durable) == 100, timeout=20)
+    assert sorted(n for b in batches for n in b) == list(range(100))
+    # While a batch is in flight, one fetch every 10 ms at most (``_GATHER``), however slow
+    # the publisher: a fetch for every command or two would be 50 batches or more.
+    assert len(batches) <= min(60, took / 0.01 * 1.2 + 3), ([len(b) for b in batches], took)
 
 
 async def test_batch_handler_error_applies_to_every_delivery(
