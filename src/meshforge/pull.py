@@ -138,6 +138,9 @@ class PullSource:
         self._sub: Subscription | None = None
         self._prefix = ""
         self._requests = 0
+        # The last request while the server may still answer it (a fetch gave up on it):
+        # its reply subject and how many messages it may still bring.
+        self._open: tuple[str, int] | None = None
         self.rebuilds = 0
 
     async def start(self) -> None:
@@ -187,6 +190,7 @@ class PullSource:
             return FetchResult(
                 "error", detail=f"pull request not sent: {type(exc).__name__}: {exc}"
             )
+        self._open = (reply, n)
         return await self._collect(reply, n, stop)
 
     async def _collect(self, reply: str, n: int, stop: asyncio.Event | None) -> FetchResult:
@@ -205,15 +209,16 @@ class PullSource:
                 if wait <= 0:
                     if got:
                         break
+                    self._open = None  # gone silent: the server forgot it, or is away
                     return FetchResult("silent", detail=f"no answer for {now - last:.1f}s")
                 if not await self._box.wait(wait):
                     if stop is not None and stop.is_set():
-                        return FetchResult("stopped", got)
+                        return self._gave_up(reply, n, got)
                     continue
             msg = items.popleft()
             if msg is None:
                 if stop is not None and stop.is_set():
-                    return FetchResult("stopped", got)
+                    return self._gave_up(reply, n, got)
                 continue
             headers = msg.headers
             status = headers.get(_STATUS) if headers else None
@@ -227,14 +232,47 @@ class PullSource:
             if status == _HEARTBEAT:
                 continue
             description = (msg.headers or {}).get(_DESCRIPTION, "")
+            self._open = None  # a status other than a heartbeat ends the request
             if status in _END:
                 break
             if got:
                 break
             return FetchResult("error", detail=f"{status} {description}".strip(), status=status)
+        if len(got) == n:
+            self._open = None
         if got and self.group is not None:
             self._take_pin(got)
         return FetchResult("messages" if got else "empty", got)
+
+    def _gave_up(self, reply: str, n: int, got: list[Msg]) -> FetchResult:
+        self._open = (reply, n - len(got))
+        return FetchResult("stopped", got)
+
+    async def _await_open_request(self) -> list[Msg]:
+        """The messages of a request given up on, until the server ends it (a status, or
+        as many as it asked for), twice ``heartbeat`` at most. Unsubscribing before then
+        leaves the server free to send more to an inbox no one listens to: each would be
+        dropped and stay unacknowledged until its ack wait ran out."""
+        got: list[Msg] = []
+        if self._open is None:
+            return got
+        reply, remaining = self._open
+        self._open = None
+        items = self._box.items
+        deadline = time.monotonic() + self.heartbeat * _MISSED_HEARTBEATS
+        while remaining > 0:
+            if not items and not await self._box.wait(deadline - time.monotonic()):
+                break  # no end came: the unsubscribe ends it
+            msg = items.popleft()
+            if msg is None:
+                continue
+            status = (msg.headers or {}).get(_STATUS)
+            if not status:
+                got.append(msg)
+                remaining -= 1
+            elif msg.subject == reply and status != _HEARTBEAT:
+                break
+        return got
 
     def _take_pin(self, msgs: list[Msg]) -> None:
         """The pin the server gave us, from the last message (one request, one pin)."""
@@ -282,14 +320,15 @@ class PullSource:
         return await self._unsubscribe(drain=True)
 
     async def _unsubscribe(self, *, drain: bool) -> list[Msg]:
-        """Unsubscribe; ``drain``: and wait for the server's answer to a ping, still taking
-        what arrives. A request given up on may be answered until the server has
-        our unsubscribe; without the wait, a message it sent meanwhile would be dropped on
-        arrival and stay unacknowledged, out of everyone's hands, until its ack wait ran
-        out (a partition's next owner would apply later commands first)."""
+        """Unsubscribe; ``drain``: first let a request given up on end, then unsubscribe
+        and wait for the server's answer to a ping, still taking what arrives. The server
+        may answer a request until it ends; a message sent to an inbox no one listens to
+        any more is dropped and stays unacknowledged, out of everyone's hands, until its
+        ack wait runs out (a partition's next owner would apply later commands first)."""
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = self._watching = None
+        came = await self._await_open_request() if drain and self._sub is not None else []
         sub, self._sub = self._sub, None
         if sub is not None and drain:
             try:
@@ -300,7 +339,8 @@ class PullSource:
         elif sub is not None:
             with contextlib.suppress(Exception):  # a closed connection has no interest left
                 await sub.unsubscribe()
-        return self._drain_local()
+        self._open = None
+        return came + self._drain_local()
 
 
 class PullLoop:
