@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

@@ -2,7 +2,7 @@
 moments under load, again and again; checked from outside that every command had exactly
 one effect, every output was published, and nothing was lost.
 
-``make test`` runs 20 kills per crash point and 20 random-time kills; ``CHAOS_SCALE``
+``make test`` runs 12 kills per crash point and 12 random-time kills; ``CHAOS_SCALE``
 (``make chaos`` sets 10) multiplies them.
 """
 
@@ -17,7 +17,7 @@ from meshforge.faults import CRASH_POINTS
 
 pytestmark = pytest.mark.slow
 
-KILLS = 20
+KILLS = 12
 
 
 @pytest.mark.parametrize("point", CRASH_POINTS)
