@@ -328,7 +328,8 @@ class PullSource:
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = self._watching = None
-        came = await self._await_open_request() if drain and self._sub is not None else []
+        # Only a connected client can still be sent anything.
+        came = await self._await_open_request() if drain and self._sub is not None and self._nc.is_connected else []
         sub, self._sub = self._sub, None
         if sub is not None and drain:
             try:
