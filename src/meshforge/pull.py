@@ -193,11 +193,15 @@ class PullSource:
         self._open = (reply, n)
         return await self._collect(reply, n, stop)
 
-    async def _collect(self, reply: str, n: int, stop: asyncio.Event | None) -> FetchResult:
+    async def _collect(
+        self, reply: str, n: int, stop: asyncio.Event | None, *, within: float | None = None
+    ) -> FetchResult:
+        """The answer to request ``reply``, for ``within`` seconds at most (default: its
+        ``expires`` and some slack)."""
         got: list[Msg] = []
         items = self._box.items
         start = last = time.monotonic()
-        deadline = start + self.expires + _SLACK
+        deadline = start + (self.expires + _SLACK if within is None else within)
         heard = False  # something came since ``last`` was taken
         while len(got) < n:
             if not items:
@@ -253,26 +257,11 @@ class PullSource:
         as many as it asked for), twice ``heartbeat`` at most. Unsubscribing before then
         leaves the server free to send more to an inbox no one listens to: each would be
         dropped and stay unacknowledged until its ack wait ran out."""
-        got: list[Msg] = []
         if self._open is None:
-            return got
+            return []
         reply, remaining = self._open
-        self._open = None
-        items = self._box.items
-        deadline = time.monotonic() + self.heartbeat * _MISSED_HEARTBEATS
-        while remaining > 0:
-            if not items and not await self._box.wait(deadline - time.monotonic()):
-                break  # no end came: the unsubscribe ends it
-            msg = items.popleft()
-            if msg is None:
-                continue
-            status = (msg.headers or {}).get(_STATUS)
-            if not status:
-                got.append(msg)
-                remaining -= 1
-            elif msg.subject == reply and status != _HEARTBEAT:
-                break
-        return got
+        within = self.heartbeat * _MISSED_HEARTBEATS  # no end by then: the unsubscribe ends it
+        return (await self._collect(reply, remaining, None, within=within)).messages
 
     def _take_pin(self, msgs: list[Msg]) -> None:
         """The pin the server gave us, from the last message (one request, one pin)."""
