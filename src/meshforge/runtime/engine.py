@@ -363,9 +363,10 @@ class Engine(Generic[S]):
         no contention with this thread for the GIL on every statement: at a light load
         that halves a command's latency. The loop must not stall, though. Handlers that
         took longer than ``_INLINE_BOUND`` (one that blocks) send every later transaction
-        to the store thread; a transaction that did for another reason (a slow disk, a checkpoint, the
-        machine pausing the process) sends the next second's there, the next two seconds'
-        if the first one after that is slow again, and so on up to a minute."""
+        to the store thread; a transaction that did for another reason (a slow disk, a
+        checkpoint, the machine pausing the process) sends the next second's there, the
+        next two seconds' if the first one after that is slow again, and so on up to a
+        minute."""
         started = time.monotonic()
         if started < self._inline_after:
             return None
