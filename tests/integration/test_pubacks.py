@@ -158,7 +158,6 @@ async def test_ack_many_acks_every_message_once_and_direct_delivery_keeps_order(
         await conn.nc.ack_many(got[:1])  # type: ignore[attr-defined]
 
 
-
 async def test_a_source_closed_while_a_message_is_on_its_way_hands_it_back(
     conn: Connection, js: JetStreamContext, stream: str
 ) -> None:
