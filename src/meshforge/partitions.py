@@ -205,6 +205,11 @@ class Leases:
     renewal failed (someone else may own the slot: stop fetching now). ``lose(slot)`` is
     for the consumer to say it was fenced by the server. ``step`` is one round; ``run``
     repeats it every ``period`` seconds; ``close`` hands everything back.
+
+    The fair share counts ``slots`` only: a ``spare`` slot (the unpartitioned durable, which
+    only commands published without a partition token reach) goes to whichever worker
+    finds it free and is never handed back to even out the shares, so 16 partitions over
+    two workers split 8 and 8, not 9 and 7 with the spare in the smaller share.
     """
 
     def __init__(
@@ -219,11 +224,13 @@ class Leases:
         period: float,
         worker: str | None = None,
         fence: Callable[[str], None] | None = None,
+        spare: Sequence[str] = (),
     ) -> None:
         self.js = js
         self.kv = kv
         self.group = group
         self.slots = list(slots)
+        self.spare = [s for s in spare if s not in self.slots]
         self.worker = worker or worker_id()
         self.period = period
         self._start = start
@@ -270,7 +277,9 @@ class Leases:
                 log.info("%s: handing back %s (share %d)", self.group, slot, share)
                 self._handing_back[slot] = asyncio.ensure_future(self._stop(slot))
         elif len(kept) < share:
-            await self._claim(share - len(kept))
+            await self._claim(self._order, share - len(kept))
+        if any(s not in self.owned for s in self.spare):
+            await self._claim(self.spare, len(self.spare))
 
     async def live_workers(self) -> int:
         """Workers of this group whose registration has not expired."""
@@ -329,8 +338,8 @@ class Leases:
                 with contextlib.suppress(Exception):  # else it expires after the lease
                     await self.kv.delete(self._lease_key(slot), last=revision)
 
-    async def _claim(self, wanted: int) -> None:
-        for slot in self._order:
+    async def _claim(self, order: Sequence[str], wanted: int) -> None:
+        for slot in order:
             if wanted <= 0:
                 return
             if slot in self.owned:

@@ -104,13 +104,15 @@ class Slots:
 
 @contextlib.asynccontextmanager
 async def holders(
-    js: JetStreamContext, kv: KeyValue, group: str, count: int, name: str = "w"
+    js: JetStreamContext, kv: KeyValue, group: str, count: int, name: str = "w",
+    slots: list[str] = SLOTS, spare: tuple[str, ...] = (),
 ) -> AsyncIterator[list[tuple[Leases, Slots, asyncio.Task[None]]]]:
     made = []
     for i in range(count):
-        slots = Slots()
-        leases = Leases(js, kv, group, SLOTS, start=slots.start, stop=slots.stop, period=0.2, worker=f"{name}{i}")
-        made.append((leases, slots, asyncio.create_task(leases.run())))
+        run = Slots()
+        leases = Leases(js, kv, group, slots, spare=spare, start=run.start, stop=run.stop, period=0.2,
+                        worker=f"{name}{i}")  # fmt: skip
+        made.append((leases, run, asyncio.create_task(leases.run())))
     try:
         yield made
     finally:
@@ -155,6 +157,22 @@ async def test_a_joining_holder_gets_slots_handed_back(js: JetStreamContext) -> 
             assert all(second_slots.running.values()), "handed back cleanly: no redelivery wait"
         await first.close()
         assert first.owned == {}
+
+
+async def test_the_spare_slot_does_not_count_in_the_fair_share(js: JetStreamContext) -> None:
+    # Counted with the partitions, the unpartitioned slot made 4 + 1 slots split 3 and 2:
+    # one worker with 3 partitions, the other with 1 and the slot that carries nothing.
+    kv = await ensure_bucket(js, load_settings({"partition_lease": 0.6}, env={}))
+    group = f"g{uuid.uuid4().hex[:8]}"
+    async with holders(js, kv, group, 2, slots=SLOTS[:4], spare=("u",)) as made:
+        (a, _, _), (b, _, _) = made
+
+        def split() -> bool:
+            counted = [len(set(h.owned) - {"u"}) for h in (a, b)]
+            return counted == [2, 2] and ("u" in a.owned) != ("u" in b.owned)
+
+        await wait_until(split, timeout=10, what="2 partitions each, the spare slot with one of them")
+        assert not set(a.owned) & set(b.owned)
 
 
 # ------------------------------------------------------------------ worker processes
