@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from meshforge.cli.demo_support import meshforge_command
 from meshforge.config import load_settings
 from meshforge.server import EmbeddedServer
+from meshforge.subjects import STREAM_EVENTS
 from meshforge.topology import agent_consumer, default_streams, ensure
 
 HERE = Path(__file__).parent
@@ -41,6 +42,7 @@ LABELS = {
     "raw": "nats-py loop (fetch 256, publish_async, ack)",
     "fs": "FastStream pull subscriber + broker.publish",
 }
+OUTPUT_STREAMS = {"mf": STREAM_EVENTS, "pg": STREAM_EVENTS, "raw": STREAM_OUT, "fs": STREAM_OUT}
 SUBJECTS = {
     "mf": ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked"),
     "pg": ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked"),
@@ -69,6 +71,31 @@ class Tap:
             self.sent.append(sent)
         if len(self.arrivals) >= self.wanted:
             self.full.set()
+
+
+async def count_outputs(b: Bench, n: int, within: float, period: float = 0.005) -> tuple[float, float]:
+    """(when the first output was stored, when the ``n``-th was), monotonic, from the output
+    stream's message count every ``period`` seconds.
+
+    A backlog run watches the count rather than subscribing: a subscriber in this process
+    parses every output (MeshForge's carry headers, which nats-py parses character by
+    character, and a whole envelope), and on two cores that CPU was taken from the worker
+    it measured: 0.92 CPU seconds in a MeshForge run of 4.5 s, 0.37 in the nats-py loop's
+    of 3.7 s. A request every 5 ms costs the same for every variant."""
+    js = b.nc.jetstream()
+    stream = OUTPUT_STREAMS[b.kind]
+    deadline = time.monotonic() + within
+    first = 0.0
+    while True:
+        stored = (await js.stream_info(stream)).state.messages
+        now = time.monotonic()
+        if stored and not first:
+            first = now
+        if stored >= n:
+            return first, now
+        if now > deadline:
+            raise SystemExit(f"{b.kind}: {stored} of {n} outputs within {within:g}s\n{b.log_tail()}")
+        await asyncio.sleep(period)  # polling the stream's count with a deadline
 
 
 def cpu_seconds(pid: int) -> float:

@@ -3,8 +3,8 @@ FastStream, and on a PostgreSQL store against the SQLite one; each worker one pr
 one output per command.
 
 Each round gives every variant a fresh server with N commands (128-byte payloads) already
-stored, starts its process, and times the outputs as they arrive, from the first to the
-last (process start-up is not counted); the variants take turns, and the median of the
+stored, starts its process, and times its outputs from the first stored to the last, by
+the output stream's count (process start-up is not counted; see ``count_outputs``); the variants take turns, and the median of the
 rounds counts. CPU per command is the worker process's own, over the same span.
 
     python benchmarks/bench_agent.py [--n 20000] [--rounds 3] [--quick]
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _agents import LABELS, bench, cpu_seconds, wait_for
+from _agents import LABELS, bench, count_outputs, cpu_seconds
 from _common import BODY_SIZE, console, machine
 from _floors import floor
 from _variants import command_body
@@ -38,12 +38,10 @@ async def run_once(kind: str, n: int, work: Path) -> tuple[float, float]:
         inp, _ = b.subjects
         blob = "x" * BODY_SIZE
         await Publisher(b.nc.jetstream()).publish_many([Outbound.of(inp, command_body(blob)) for _ in range(n)])
-        tap = await b.tap(n)
         b.start()
         assert b.proc is not None
-        await wait_for(tap.full, 600, f"{n} outputs", b)
+        first, last = await count_outputs(b, n, 600)
         cpu = cpu_seconds(b.proc.pid)
-        first, last = tap.arrivals[0], tap.arrivals[n - 1]
         rate = (n - 1) / (last - first)
         # CPU over the whole life, spread over what it did: start-up is small beside N.
         return rate, cpu / n * 1e6
