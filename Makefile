@@ -5,6 +5,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.meshforge-installed
 # CHAOS_SCALE multiplies the kill counts of the crash suite (`make chaos` runs ten times more).
 CHAOS_SCALE ?= 1
+# `make test` runs the test files in this many processes (each session has its own
+# nats-server and PostgreSQL database); most tests wait on servers and subprocesses.
+TEST_JOBS ?= 2
 
 .PHONY: setup demo test lint unit integration chaos bench clean
 
@@ -26,7 +29,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_JOBS) --dist loadfile
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

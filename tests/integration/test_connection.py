@@ -10,6 +10,7 @@ from meshforge.config import Settings, load_settings
 from meshforge.connection import Connection, connect, redact_url
 from meshforge.errors import ConfigError, ConnectionFailed
 from meshforge.server import EmbeddedServer
+from polling import wait_until
 
 
 def settings(**values: object) -> Settings:
@@ -68,6 +69,9 @@ async def test_reconnects_after_server_restart(private_server: EmbeddedServer) -
         assert "error" in health["jetstream"]
         await asyncio.to_thread(private_server.start)
         await wait_for_state(conn, "connected")
+        # nats-py reports connected before its reconnected callback (which counts) has run:
+        # a PING round trip apart, seen on a loaded machine.
+        await wait_until(lambda: conn.reconnects >= 1, timeout=10, what="the reconnect counted")
         assert conn.reconnects == 1
         ack = await conn.js.publish("recon.a", b"after restart")
         assert ack.stream == "RECON"
