@@ -58,6 +58,7 @@ PARTITIONS = 16
 # The default lease: a shorter one (1.5 s was tried) lets a worker starved of CPU by its
 # neighbours renew late and lose partitions mid-run (docs/AGENTS.md, "What order").
 LEASE = "6s"
+KICK = "kick-"  # the resources of ``kicks``, outside the order check
 
 
 def fresh_store(kind: str, tmp: Path, workers: int) -> tuple[list[str], str]:
@@ -151,7 +152,7 @@ async def settled(settings: Settings, workers: int, deadline: float) -> None:
 
 
 def kicks(settings: Settings) -> list[Outbound]:
-    """One command for each partition, of a resource of its own (``kick-...``).
+    """One command for each partition, of a resource of its own (``KICK`` and a number).
 
     nats-server does not wake a resumed consumer: its pull requests, waiting since the
     pause, are served at the consumer's next idle heartbeat (up to a second later, each
@@ -159,10 +160,10 @@ def kicks(settings: Settings) -> list[Outbound]:
     right after the resume is that message."""
     wanted, found, n = set(range(settings.partitions)), {}, 0
     while wanted:
-        p = partition_of(f"kick-{n}", settings.partitions)
+        p = partition_of(f"{KICK}{n}", settings.partitions)
         if p in wanted:
             wanted.discard(p)
-            env = Envelope.new(f"{AGENT}.step", {"seq": 0}, resource_id=f"kick-{n}", source="bench")
+            env = Envelope.new(f"{AGENT}.step", {"seq": 0}, resource_id=f"{KICK}{n}", source="bench")
             found[p] = Outbound.of(partitioned(SUBJECT, env, settings), env)
         n += 1
     return list(found.values())
@@ -191,7 +192,7 @@ async def check_order(settings: Settings, count: int, resources: int) -> None:
     by_resource: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for msg in msgs:
         env = decode(msg.data, msg.headers)
-        if (env.resource_id or "").startswith("kick-"):
+        if (env.resource_id or "").startswith(KICK):
             continue
         by_resource[env.resource_id or ""].append((env.payload["seq"], env.payload["after"]))
     per = count // resources

@@ -206,10 +206,11 @@ class Leases:
     for the consumer to say it was fenced by the server. ``step`` is one round; ``run``
     repeats it every ``period`` seconds; ``close`` hands everything back.
 
-    The fair share counts ``slots`` only: a ``spare`` slot (the unpartitioned durable, which
-    only commands published without a partition token reach) goes to whichever worker
-    finds it free and is never handed back to even out the shares, so 16 partitions over
-    two workers split 8 and 8, not 9 and 7 with the spare in the smaller share.
+    The fair share counts ``slots`` but not the ``spare`` ones among them: a spare slot
+    (the unpartitioned durable, which only commands published without a partition token
+    reach) goes to whichever worker finds it free and is never handed back to even out
+    the shares, so 16 partitions over two workers split 8 and 8, not 9 and 7 with the
+    spare in the smaller share.
     """
 
     def __init__(
@@ -229,8 +230,8 @@ class Leases:
         self.js = js
         self.kv = kv
         self.group = group
-        self.slots = list(slots)
-        self.spare = [s for s in spare if s not in self.slots]
+        self.spare = list(spare)
+        self.slots = [s for s in slots if s not in self.spare]
         self.worker = worker or worker_id()
         self.period = period
         self._start = start
@@ -278,8 +279,7 @@ class Leases:
                 self._handing_back[slot] = asyncio.ensure_future(self._stop(slot))
         elif len(kept) < share:
             await self._claim(self._order, share - len(kept))
-        if any(s not in self.owned for s in self.spare):
-            await self._claim(self.spare, len(self.spare))
+        await self._claim(self.spare, len(self.spare))  # skips what is ours already
 
     async def live_workers(self) -> int:
         """Workers of this group whose registration has not expired."""

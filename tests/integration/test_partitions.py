@@ -105,12 +105,12 @@ class Slots:
 @contextlib.asynccontextmanager
 async def holders(
     js: JetStreamContext, kv: KeyValue, group: str, count: int, name: str = "w",
-    slots: list[str] = SLOTS, spare: tuple[str, ...] = (),
+    spare: tuple[str, ...] = (),
 ) -> AsyncIterator[list[tuple[Leases, Slots, asyncio.Task[None]]]]:
     made = []
     for i in range(count):
         run = Slots()
-        leases = Leases(js, kv, group, slots, spare=spare, start=run.start, stop=run.stop, period=0.2,
+        leases = Leases(js, kv, group, SLOTS, spare=spare, start=run.start, stop=run.stop, period=0.2,
                         worker=f"{name}{i}")  # fmt: skip
         made.append((leases, run, asyncio.create_task(leases.run())))
     try:
@@ -164,7 +164,7 @@ async def test_the_spare_slot_does_not_count_in_the_fair_share(js: JetStreamCont
     # one worker with 3 partitions, the other with 1 and the slot that carries nothing.
     kv = await ensure_bucket(js, load_settings({"partition_lease": 0.6}, env={}))
     group = f"g{uuid.uuid4().hex[:8]}"
-    async with holders(js, kv, group, 2, slots=SLOTS[:4], spare=("u",)) as made:
+    async with holders(js, kv, group, 2, spare=("u",)) as made:
         (a, _, _), (b, _, _) = made
 
         def split() -> bool:

@@ -428,8 +428,8 @@ class Worker:
                 # Every durable of the group shares the unpartitioned one's stem.
                 stem = group["u"].durable.removesuffix("_unpartitioned")
                 period = await lease_of(kv) / 3
-                leases = Leases(conn.js, kv, stem, [s for s in group if s != "u"], spare=["u"],
-                                start=part.start, stop=part.stop, period=period, fence=part.fence)  # fmt: skip
+                leases = Leases(conn.js, kv, stem, list(group), spare=["u"], start=part.start,
+                                stop=part.stop, period=period, fence=part.fence)  # fmt: skip
                 part.lose = leases.lose
                 self._leases.append(leases)
                 continue
