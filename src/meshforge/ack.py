@@ -205,7 +205,7 @@ class Heartbeats:
     shortest period held (a hold with a shorter period than that starts it again), so a
     batch's first beat comes between one and one and a half periods after it was taken;
     the consumer's period is a third of the ack wait of that delivery. The task ends
-    when nothing is held.
+    when it wakes and finds nothing held.
     """
 
     def __init__(self) -> None:
@@ -236,11 +236,9 @@ class Heartbeats:
         return self._next_key
 
     def release(self, key: int) -> None:
+        # The task is left to find nothing held at its next round and end: cancelling it
+        # here and starting another for the next hold cost four loop callbacks a batch.
         self._held.pop(key, None)
-        if not self._held and self._task is not None:
-            self._task.cancel()
-            self._task = None
-            self._tick = 0.0
 
     async def _run(self) -> None:
         while self._held:

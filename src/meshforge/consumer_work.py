@@ -15,6 +15,7 @@ Example (what ``Consumer`` does for each fetched message)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -229,7 +230,10 @@ class Workers:
         self._stop = stop
         self._tasks: dict[asyncio.Task[None], list[Msg]] = {}
         self._held = 0  # messages in self._tasks, kept as a count: read on every fetch
-        self._freed = asyncio.Event()
+        # Who waits in ``wait_free``: woken when a task ends or the stop is set. A future
+        # each, not two tasks and an ``asyncio.wait`` per wait (one for every fetch).
+        self._waiters: list[asyncio.Future[None]] = []
+        self._stop_watch: asyncio.Task[None] | None = None
         self._gauge = metrics.in_flight.labels(consumer=consumer)
 
     @property
@@ -248,27 +252,39 @@ class Workers:
     def _done(self, task: asyncio.Task[None]) -> None:
         self._held -= len(self._tasks.pop(task, ()))
         self._gauge.set(self._held)
-        self._freed.set()
+        self._wake()
         if not task.cancelled() and task.exception() is not None:
             log.error("consumer %s: worker failed", self.consumer, exc_info=task.exception())
 
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wake_at_stop(self) -> None:
+        await self._stop.wait()
+        self._wake()
+
     async def wait_free(self, limit: int) -> bool:
         """Wait until fewer than ``limit`` are in flight; False when stopping."""
-        while self.in_flight >= limit and not self._stop.is_set():
-            self._freed.clear()
-            waits = {
-                asyncio.ensure_future(self._freed.wait()),
-                asyncio.ensure_future(self._stop.wait()),
-            }
+        while self._held >= limit and not self._stop.is_set():
+            if self._stop_watch is None or self._stop_watch.done():
+                self._stop_watch = asyncio.ensure_future(self._wake_at_stop())
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
             try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
+                await waiter
+            except asyncio.CancelledError:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+                raise
         return not self._stop.is_set()
 
     async def finish(self, grace: float, nak: Callable[[Msg], Awaitable[None]]) -> int:
         """Give in-flight work ``grace`` seconds; nak and cancel the rest; how many were nak'ed."""
+        if self._stop_watch is not None:
+            self._stop_watch.cancel()
         if self._tasks:
             log.info(
                 "consumer %s: waiting up to %.1fs for %d in flight",

@@ -444,7 +444,8 @@ class PullLoop:
         if self._in_flight() == 0:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wait_free(1), self._gather)
+            async with asyncio.timeout(self._gather):  # no task of its own, as wait_for has
+                await self._wait_free(1)
 
     async def rebuild(self, why: str) -> None:
         """A fresh inbox; messages left in the old one are nak'ed; then ``recover()``."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any, cast
 
@@ -34,7 +33,7 @@ async def test_a_short_period_held_after_a_long_one_is_beaten_in_time() -> None:
     heartbeats.release(key)
 
 
-async def test_releasing_everything_ends_the_task() -> None:
+async def test_releasing_everything_ends_the_task_at_its_next_round() -> None:
     heartbeats = Heartbeats()
     held = Beaten()
     key = heartbeats.hold(cast(Any, [held]), 0.05)
@@ -42,6 +41,20 @@ async def test_releasing_everything_ends_the_task() -> None:
     task = heartbeats._task
     assert task is not None
     heartbeats.release(key)
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    assert task.cancelled() and heartbeats._task is None
+    beats = len(held.beats)
+    await asyncio.wait_for(task, 1)  # ends by itself: nothing held when it wakes
+    assert task.done() and not task.cancelled()
+    assert len(held.beats) == beats  # nothing beaten after the release
+
+
+async def test_a_hold_after_the_task_ended_starts_another() -> None:
+    heartbeats = Heartbeats()
+    first, second = Beaten(), Beaten()
+    heartbeats.release(heartbeats.hold(cast(Any, [first]), 0.05))
+    task = heartbeats._task
+    assert task is not None
+    await asyncio.wait_for(task, 1)
+    key = heartbeats.hold(cast(Any, [second]), 0.05)
+    await wait_until(lambda: bool(second.beats), timeout=2, what="a beat of the second hold")
+    assert not first.beats
+    heartbeats.release(key)

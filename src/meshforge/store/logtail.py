@@ -28,7 +28,8 @@ Example (what the engine does in a group's transaction)::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from functools import cache
+from typing import Protocol, TypeGuard, runtime_checkable
 
 from meshforge.errors import StoreError
 from meshforge.scope import Scope
@@ -72,12 +73,23 @@ class LogTail(Protocol):
         ...
 
 
+def _tails(tx: Transaction) -> TypeGuard[LogTail]:
+    """``isinstance(tx, LogTail)``, asked once a class: checking a runtime protocol looks
+    at each of its methods, three times a group."""
+    return _tailing(type(tx))
+
+
+@cache
+def _tailing(kind: type) -> bool:
+    return issubclass(kind, LogTail)
+
+
 def read_group(
     tx: Transaction, agent: str, resources: Sequence[Scoped], consumer: str, keys: Sequence[Scoped]
 ) -> tuple[dict[Scoped, bytes | None], dict[Scoped, list[StoredOutput] | None]]:
     """Lock and read the agent's ``resources`` (``states_get``), then read the effects
     stored for ``keys`` (``effects_get``)."""
-    if isinstance(tx, LogTail):
+    if _tails(tx):
         return tx.states_and_effects_get(agent, resources, consumer, keys)
     return tx.states_get(agent, resources), tx.effects_get(consumer, keys)
 
@@ -87,7 +99,7 @@ def store_effects(
 ) -> None:
     """Store ``effects`` (a key already stored is a ``StoreError(kind="duplicate")``, raised
     at the latest by the commit) and mark the ``marks`` keys published."""
-    if isinstance(tx, LogTail):
+    if _tails(tx):
         tx.effects_put_with_commit(consumer, effects, marks)
         return
     tx.effects_put(consumer, effects)
@@ -104,7 +116,7 @@ def append_with_states(
         return
     last = {e.resource_id or "": index for index, e in enumerate(events)}
     rows = [(resource, states[resource], index) for resource, index in last.items() if resource in states]
-    if isinstance(tx, LogTail):
+    if _tails(tx):
         tx.append_log(agent, scope, events, rows)
         return
     positions = tx.events_append(agent, events, scope=scope)
