@@ -68,8 +68,10 @@ async def run_once(kind: str, rate: int, seconds: float, work: Path) -> tuple[fl
             await wait_for(tap.full, seconds + 60, f"{total} outputs", b)
         finally:
             await asyncio.wait_for(gen.wait(), 30)
-        # Latencies of commands sent after the warm-up (the stamp is its send time).
-        counted = [lat for lat, sent in zip(tap.latencies, tap.sent, strict=True) if sent >= start + WARMUP]
+        # Latencies of commands sent after the warm-up (the stamp is its send time; the
+        # generator builds its commands before it sends the first).
+        first = min(tap.sent, default=start)
+        counted = [lat for lat, sent in zip(tap.latencies, tap.sent, strict=True) if sent >= first + WARMUP]
         return percentile(counted, 0.5) * 1e3, percentile(counted, 0.99) * 1e3, len(counted)
 
 
