@@ -127,9 +127,12 @@ async def publish_backlog(url: str, n: int) -> None:
 
 
 async def drain(
-    n: int, values: dict[str, Any], *, every: float = 2.0, limit: float = 3600.0, probe_store: bool = False
+    n: int, values: dict[str, Any], *, every: float = 2.0, limit: float = 3600.0, probe_store: bool = False,
+    enough: float | None = None,
 ) -> Drained:
-    """Publish ``n`` commands, run one worker with ``values`` as its settings, sample it."""
+    """Publish ``n`` commands, run one worker with ``values`` as its settings, sample it;
+    with ``enough`` (seconds), stop sampling then even if commands are left (the result
+    counts those done)."""
     with tempfile.TemporaryDirectory(prefix="mf-drain-") as tmp:
         work = Path(tmp)
         db = work / "store.db"
@@ -161,8 +164,8 @@ async def drain(
                     if probe_store:
                         sample.effects, sample.retained_bytes, sample.kept_bytes = await asyncio.to_thread(probe, db)
                     result.samples.append(sample)
-                    if done >= n:
-                        result.seconds = elapsed
+                    if done >= n or (enough is not None and elapsed >= enough):
+                        result.n, result.seconds = done, elapsed
                         return result
                     if elapsed > limit:
                         raise SystemExit(f"drained {done:,} of {n:,} in {limit:g}s; giving up")

@@ -3,7 +3,8 @@
 One ``meshforge run`` worker drains N commands (one event out each, over 1,000
 resources) with the retention shortened to 30 seconds (``effect_retention``,
 ``inbox_retention``; the worker deletes every 5 seconds; the duplicate window and the
-redelivery span shortened to match). Every 4 seconds the store is measured by table:
+redelivery span shortened to match). Every 4 seconds the store is measured by table,
+for 100 seconds or until the commands are done:
 
 - effects, their outputs and inbox rows: what retention bounds; once it deletes, their
   size stays flat however many commands go through (bytes per command in the window);
@@ -42,7 +43,9 @@ SETTINGS = {
 
 
 async def main(count: int) -> None:
-    result = await drain(count, SETTINGS, every=4.0, probe_store=True)
+    # The samples that count start RETENTION + 10 s in; a minute of them shows the trend,
+    # however fast the machine drains (a slow one took 4 minutes for 600,000).
+    result = await drain(count, SETTINGS, every=4.0, probe_store=True, enough=RETENTION + 70)
     table = Table(title=f"store size draining {count:,} commands, retention {RETENTION}s ({machine()})")
     for col in ("s", "commands done", "effects kept", "effects+outputs+inbox MB", "B per kept command",
                 "event log+states MB", "B per command done", "file+WAL MB"):  # fmt: skip
