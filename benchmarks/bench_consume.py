@@ -4,7 +4,7 @@ Each variant drains its own copy of N pre-published envelopes (128-byte payloads
 durable pull consumer, acknowledging each message after a trivial handler. The variants
 take turns for ``--repeat`` rounds, each on fresh copies; the best round of each counts.
 
-    python benchmarks/bench_consume.py [--n 40000] [--repeat 3] [--quick]
+    python benchmarks/bench_consume.py [--n 40000] [--repeat 2] [--quick]
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--n", type=int, default=40_000)
     parser.add_argument("--quick", action="store_true", help="n = 2,000")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds; the best of each variant counts")
+    parser.add_argument("--repeat", type=int, default=2, help="rounds; the best of each variant counts")
     args = parser.parse_args()
     asyncio.run(main(2_000 if args.quick else args.n, args.repeat))
     console.print("every variant drained its consumer")
