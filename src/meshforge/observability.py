@@ -108,6 +108,18 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.held_back = Counter(
+            "meshforge_held_back", "Deliveries nak'ed to wait for an earlier command of their resource.",
+            ["consumer"], registry=r,
+        )  # fmt: skip
+        self.held_commands = Gauge(
+            "meshforge_held_commands", "Commands waiting for an earlier command of their resource.",
+            ["consumer"], registry=r,
+        )  # fmt: skip
+        self.oldest_hold_seconds = Gauge(
+            "meshforge_oldest_hold_seconds", "How long the oldest held command has been waiting.",
+            ["consumer"], registry=r,
+        )  # fmt: skip
         self.in_flight = Gauge("meshforge_in_flight", "Messages being handled now.", ["consumer"], registry=r)
         self.outbox_depth = Gauge("meshforge_outbox_depth", "Outbox rows not yet sent.", registry=r)
         # Polled from the server's consumer info (see meshforge.probes), not counted locally.

@@ -150,6 +150,11 @@ def _grant(
         if not agents:
             raise ConfigError("permissions agent: name the agents with --agent NAME (repeatable)")
         out = [HEALTH, *(f"$JS.API.STREAM.INFO.{s}" for s in _AGENT_STREAMS)]
+        if not (tenant or namespace):
+            # What a durable left unacknowledged, read by sequence at a take-over so its
+            # resources keep their order (meshforge.runtime.holds). Not for a bound role:
+            # a read by sequence is not limited to its tenant's subjects.
+            out.append(f"$JS.API.STREAM.MSG.GET.{STREAM_COMMANDS}")
         if settings.partitions:
             out += _bucket_reads(f"KV_{PARTITIONS_BUCKET}")
         for agent in agents:

@@ -280,9 +280,11 @@ def agent_consumer(
     namespace gets its own, ``<agent>_consumer_<tenant|all>_<namespace|all>``, so workers
     of different tenants never share (or rewrite the filter of) one durable.
 
-    MaxDeliver is ``settings.max_deliver + 1``: the extra delivery is reserved for
-    dead-lettering, so a worker killed during its last real attempt still yields a dead
-    letter instead of the message silently expiring from the consumer.
+    MaxDeliver is unlimited on the server: the engine counts attempts itself, because a
+    command held behind an earlier one of its resource is delivered again without being
+    attempted (``meshforge.runtime.holds``). The delivery after the last attempt is
+    dead-lettered without running, so a worker killed during its last attempt still
+    yields a dead letter.
 
     >>> agent_consumer("order", Settings()).filter_subject
     'cmd.*.*.order.>'
@@ -357,15 +359,13 @@ def _binding(
 def _command_consumer(
     agent: str, settings: Settings, durable: str, filter_subject: str, description: str
 ) -> ConsumerSpec:
-    max_deliver = settings.max_deliver + 1
     return ConsumerSpec(
         stream=STREAM_COMMANDS,
         durable=durable,
         filter_subject=filter_subject,
         ack_wait=settings.ack_wait,
-        max_deliver=max_deliver,
-        # Server rule: fewer backoff entries than MaxDeliver; the tail would never be used.
-        backoff=settings.backoff[: max_deliver - 1],
+        max_deliver=-1,  # the engine's own count (see agent_consumer)
+        backoff=settings.backoff,
         description=description,
         replicas=consumer_replicas(settings),
     )

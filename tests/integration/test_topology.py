@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -69,12 +70,13 @@ def test_default_streams_follow_the_contract() -> None:
     assert all(s.storage == "file" and s.duplicate_window == 120.0 for s in streams.values())
 
 
-def test_agent_consumer_reserves_one_delivery_for_dead_lettering() -> None:
+def test_agent_consumer_leaves_the_delivery_limit_to_the_engine() -> None:
+    """Held deliveries are not attempts, so the server must not count them."""
     spec = agent_consumer("order", Settings())
     assert spec.durable == "order_consumer"
     assert spec.stream == "MESHFORGE_COMMANDS"
     assert spec.filter_subject == "cmd.*.*.order.>"
-    assert spec.max_deliver == 6
+    assert spec.max_deliver == -1
     assert spec.backoff == (1.0, 5.0, 10.0, 30.0)
 
 
@@ -85,10 +87,10 @@ def test_agent_consumer_scoped_to_tenant_and_namespace() -> None:
     assert agent_consumer("order", Settings(), tenant="t1").filter_subject == "cmd.t1.*.order.>"
 
 
-def test_agent_consumer_trims_backoff_below_max_deliver() -> None:
+def test_agent_consumer_keeps_the_whole_backoff() -> None:
     spec = agent_consumer("order", settings(max_deliver=2))
-    assert spec.max_deliver == 3
-    assert spec.backoff == (1.0, 5.0)
+    assert spec.max_deliver == -1
+    assert spec.backoff == (1.0, 5.0, 10.0, 30.0)
 
 
 def test_node_consumer_is_unlimited_and_without_backoff() -> None:
@@ -139,7 +141,7 @@ async def test_ensure_twice_changes_nothing_the_second_time(empty_js: JetStreamC
     events = await empty_js.stream_info("MESHFORGE_EVENTS")
     assert events.config.retention == RetentionPolicy.LIMITS
     order = await empty_js.consumer_info("MESHFORGE_COMMANDS", "order_consumer")
-    assert order.config.max_deliver == 6
+    assert order.config.max_deliver == -1
     assert order.config.backoff == [1.0, 5.0, 10.0, 30.0]
     assert order.config.filter_subject == "cmd.*.*.order.>"
     node = await empty_js.consumer_info("MESHFORGE_CONTROL", "node_lab1_n1")
@@ -224,17 +226,18 @@ async def test_overlap_between_planned_streams_is_refused(empty_js: JetStreamCon
 
 
 async def test_consumer_changes_are_diffs(empty_js: JetStreamContext) -> None:
-    await ensure(empty_js, default_streams(Settings()), [agent_consumer("order", Settings())])
-    planned = await plan(
-        empty_js, default_streams(Settings()), [agent_consumer("order", settings(max_deliver=3))]
-    )
+    """An agent durable provisioned before held deliveries were counted by the engine
+    (MaxDeliver max_deliver + 1, backoff trimmed) is updated in place."""
+    old = replace(agent_consumer("order", Settings()), max_deliver=4, backoff=(1.0, 5.0, 10.0))
+    await ensure(empty_js, default_streams(Settings()), [old])
+    planned = await plan(empty_js, default_streams(Settings()), [agent_consumer("order", Settings())])
     order = step(planned, "MESHFORGE_COMMANDS/order_consumer")
     assert order.action is Action.UPDATE
-    assert order.details == "max_deliver 6 -> 4; backoff 1s,5s,10s,30s -> 1s,5s,10s"
+    assert order.details == "max_deliver 4 -> unlimited; backoff 1s,5s,10s -> 1s,5s,10s,30s"
     await apply(empty_js, planned)
     info = await empty_js.consumer_info("MESHFORGE_COMMANDS", "order_consumer")
-    assert info.config.max_deliver == 4
-    assert info.config.backoff == [1.0, 5.0, 10.0]
+    assert info.config.max_deliver == -1
+    assert info.config.backoff == [1.0, 5.0, 10.0, 30.0]
 
 
 async def test_consumer_deliver_policy_change_is_refused(empty_js: JetStreamContext) -> None:
@@ -287,14 +290,14 @@ async def test_failure_half_way_says_what_was_done(empty_js: JetStreamContext) -
     assert await stream_names(empty_js) == {"HALF_A"}
 
 
-async def test_backoff_trimmed_consumer_is_accepted_by_the_server(
+async def test_a_one_attempt_agent_consumer_is_accepted_by_the_server(
     empty_js: JetStreamContext,
 ) -> None:
     s = settings(max_deliver=1)
     report = await ensure(empty_js, default_streams(s), [agent_consumer("tiny", s)])
     assert report.changed
     info = await empty_js.consumer_info("MESHFORGE_COMMANDS", "tiny_consumer")
-    assert info.config.max_deliver == 2 and info.config.backoff == [1.0]
+    assert info.config.max_deliver == -1 and info.config.backoff == [1.0, 5.0, 10.0, 30.0]
 
 
 # ------------------------------------------------------------------ verify (least privilege)

@@ -141,6 +141,9 @@ class Agent(Generic[S]):
     state_type: ClassVar[type[Any]]
     # Extra exception types that mean "this command can never succeed": dead-lettered.
     unrecoverable: ClassVar[tuple[type[BaseException], ...]] = ()
+    # True: a dead-lettered command keeps its resource's later commands waiting until an
+    # operator re-drives it or releases the resource (``meshforge holds release``).
+    hold_after_dead_letter: ClassVar[bool] = False
     _commands: ClassVar[dict[str, CommandSpec]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

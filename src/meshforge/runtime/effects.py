@@ -27,6 +27,7 @@ from meshforge.decisions import Decision, Delivery
 from meshforge.envelope import Envelope
 from meshforge.errors import StoreError
 from meshforge.runtime.agent import Agent, CommandSpec
+from meshforge.runtime.holds import Holds
 from meshforge.scope import Scope
 from meshforge.store.base import NewEffect, NewEvent, Store, StoredOutput, Transaction
 from meshforge.store.logtail import DuplicateEffect, append_with_states, read_group, store_effects
@@ -88,10 +89,11 @@ class Conflict(Exception):
 class EffectStore:
     """One agent's transactions in the store, as the engine's store thread runs them."""
 
-    def __init__(self, agent: Agent[Any], store: Store, consumer: str) -> None:
+    def __init__(self, agent: Agent[Any], store: Store, consumer: str, holds: Holds) -> None:
         self.agent = agent
         self.store = store
         self.consumer = consumer
+        self.holds = holds
 
     def open(self, works: list[Work]) -> Opened:
         """BEGIN, lock and read the resources, read the stored effects."""
@@ -149,6 +151,7 @@ class EffectStore:
                 effects.append(NewEffect(w.env.key, w.env.id, w.outputs, w.scope))
                 if w.events:
                     by_scope.setdefault(w.scope, []).extend(w.events)
+        self.holds.clear_forgotten(tx)
         try:
             store_effects(tx, self.consumer, effects, marks)
         except StoreError as exc:

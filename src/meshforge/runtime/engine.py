@@ -38,6 +38,7 @@ from typing import Any, Generic, TypeVar
 
 from meshforge.config import Settings
 from meshforge.decisions import (
+    REASON_MAX_DELIVERIES,
     REASON_UNRECOVERABLE,
     Action,
     Decision,
@@ -45,13 +46,15 @@ from meshforge.decisions import (
     backoff_delay,
     decide,
 )
-from meshforge.envelope import H_MSG_ID, Envelope
+from meshforge.envelope import H_MSG_ID, Envelope, decode, derive_id
 from meshforge.errors import InvalidSubject, PublishError, StoreError, Unrecoverable, one_line
 from meshforge.faults import crash_point
 from meshforge.observability import Metrics
+from meshforge.partitions import partitioned
 from meshforge.publisher import Publisher
 from meshforge.runtime.agent import Agent, Event, Output
 from meshforge.runtime.effects import Conflict, EffectStore, Opened, Plan, Work, drive
+from meshforge.runtime.holds import Holds, Slot
 from meshforge.runtime.marks import PublishedMarks
 from meshforge.runtime.outputs import build_outputs, decode_payload, event_name
 from meshforge.runtime.stage import PublishStage
@@ -110,6 +113,7 @@ class Engine(Generic[S]):
         settings: Settings | None = None,
         metrics: Metrics | None = None,
         handler_timeout: float | None = None,
+        holds: Holds | None = None,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -117,6 +121,13 @@ class Engine(Generic[S]):
         self.settings = settings or Settings()
         self.metrics = metrics or Metrics.default()
         self.consumer = consumer_name(agent.name)
+        #: The outstanding commands of each resource (shared by the engines of a worker).
+        self.holds = holds or Holds(self.consumer)
+        self._holds_loaded = False
+        label = self.metrics.held_commands.labels(consumer=self.consumer)
+        label.set_function(lambda: self.holds.held_now()[0])
+        label = self.metrics.oldest_hold_seconds.labels(consumer=self.consumer)
+        label.set_function(lambda: self.holds.held_now()[1])
         self.handler_timeout = handler_timeout or min(self.settings.ack_wait / 2, 30.0)
         #: Most commands one transaction takes from the batches waiting for it: under a
         #: backlog several fetches share a commit (fewer syncs, fewer pages written again).
@@ -140,7 +151,7 @@ class Engine(Generic[S]):
         self._commit = asyncio.Lock()
         self._queue: deque[_Batch] = deque()
         self._stage = PublishStage(self.consumer, publisher)
-        self._tx = EffectStore(agent, store, self.consumer)
+        self._tx = EffectStore(agent, store, self.consumer, self.holds)
         self._marks = PublishedMarks(self._flush_marks, idle=_MARK_IDLE)
         # Small groups' transactions may run on the event loop (``_run_inline``).
         self._inline = True
@@ -162,14 +173,22 @@ class Engine(Generic[S]):
     async def handle(self, deliveries: Sequence[Delivery]) -> list[Decision]:
         """One decision per delivery, same order; see the module docstring."""
         batch = _Batch([None] * len(deliveries), [], asyncio.get_running_loop().create_future())
+        forwards: list[tuple[int, StoredOutput]] = []
         for i, delivery in enumerate(deliveries):
             verdict = self._admit(i, delivery)
             if isinstance(verdict, Work):
                 verdict.owner = batch.decisions
                 batch.works.append(verdict)
+            elif isinstance(verdict, StoredOutput):
+                forwards.append((i, verdict))
             else:
                 batch.decisions[i] = verdict
+        if forwards:
+            decision = await self._forward([f for _, f in forwards])
+            for i, _ in forwards:
+                batch.decisions[i] = decision
         if batch.works:
+            self.holds.arrive(batch.works)
             self._queue.append(batch)
             crash_point("after_enqueue")
             async with self._commit:
@@ -191,11 +210,12 @@ class Engine(Generic[S]):
             works += batch.works
         # Same-resource commands run in the order they were stored.
         works.sort(key=lambda w: w.delivery.seq)
-        for index, work in enumerate(works):
-            work.index = index
         overlapping = self._stage.busy
         try:
-            plan = await self._attempt(works)
+            works = await self._hold_back(works)
+            for index, work in enumerate(works):
+                work.index = index
+            plan = await self._attempt(works) if works else Plan()
         except BaseException as exc:
             for batch in group:
                 if not batch.done.done():
@@ -203,8 +223,16 @@ class Engine(Generic[S]):
             raise
         if overlapping:
             crash_point("after_commit_while_publishing")
+        if self.agent.hold_after_dead_letter:
+            await self._stop_behind(works, plan)
         for index, decision in plan.decisions.items():
             works[index].decide(decision)
+            self._settle(works[index], decision)
+        for work in plan.done:
+            slot = (work.scope, work.resource)
+            self.holds.settle(slot, work.delivery.seq)
+            self.holds.forget(work.scope, work.env.key)
+            self.holds.applied(slot, work.env.key)
         if plan.duplicates:
             self.metrics.duplicates_skipped.labels(consumer=self.consumer).inc(plan.duplicates)
         done = plan.done
@@ -215,11 +243,80 @@ class Engine(Generic[S]):
 
         def failed() -> None:
             for work in done:
-                work.decide(Decision.nak(self._delay(work.delivery)))
+                work.decide(Decision.nak(self._delay(work)))
 
         self._stage.submit(items, on_sent=sent, on_failed=failed, settle=[b.done for b in group])
 
-    def _admit(self, index: int, delivery: Delivery) -> Work | Decision:
+    async def _hold_back(self, works: list[Work]) -> list[Work]:
+        """The works that may run now; the others (an earlier command of their resource is
+        still to be applied) are nak'ed to come back after it, their held delivery counted."""
+        if not self._holds_loaded or self.holds.stale():
+            await self._in_thread(self.store.run, self.holds.load)
+            self._holds_loaded = True
+        await self.holds.recheck(works)
+        run, held = self.holds.split(works)
+        if held:
+            try:
+                await self._in_thread(self.store.run, lambda tx: self.holds.count(tx, [w for w, _ in held]))
+            except StoreError as exc:
+                log.warning("%s: could not count %d held command(s): %s", self.consumer, len(held), one_line(exc))
+            for work, delay in held:
+                work.decide(Decision.nak(delay))
+                self.holds.away((work.scope, work.resource), work.delivery.seq, delay)
+            self.metrics.held_back.labels(consumer=self.consumer).inc(len(held))
+            log.debug("%s: %d command(s) held behind earlier ones of their resources", self.consumer, len(held))
+        return run
+
+    async def _stop_behind(self, works: list[Work], plan: Plan) -> None:
+        """``hold_after_dead_letter``: a dead-lettered command's resource stays held (the
+        hold is stored before its dead letter goes out)."""
+        heads = [works[i] for i, d in plan.decisions.items() if d.action is Action.DEAD_LETTER]
+        if not heads:
+            return
+        try:
+            await self._in_thread(self.store.run, lambda tx: self.holds.stop(tx, heads))
+        except StoreError as exc:  # not dead-lettered then: it comes back, still the head
+            log.warning("%s: could not store the hold behind %d dead letter(s): %s",
+                        self.consumer, len(heads), one_line(exc))  # fmt: skip
+            for work in heads:
+                plan.decisions[work.index] = Decision.nak(_STORE_RETRY_DELAY)
+        else:
+            log.warning(
+                "%s: %d resource(s) stay held behind a dead-lettered command until it is"
+                " re-driven or `meshforge holds release`", self.consumer, len(heads),
+            )
+
+    def _settle(self, work: Work, decision: Decision) -> None:
+        """Tell the holds what became of a work that was not applied."""
+        slot = (work.scope, work.resource)
+        if decision.action is Action.NAK:
+            delay = decision.delay if decision.delay is not None else self._delay(work)
+            self.holds.away(slot, work.delivery.seq, delay or 0.0)
+        else:
+            self.holds.settle(slot, work.delivery.seq)
+            self.holds.forget(work.scope, work.env.key)
+
+    def _to_partition(self, delivery: Delivery, env: Envelope) -> StoredOutput | None:
+        """A five-token command to a partitioned agent goes on to its partition's subject,
+        where the resource's other commands are: on its own durable it could overtake them
+        or be overtaken. Same body and headers; a message id of its own (the stream's
+        duplicate check would drop the original's), derived, so a retried forward is one."""
+        if not self.settings.partitions or delivery.subject.count(".") != 4:
+            return None
+        subject = partitioned(delivery.subject, env, self.settings)
+        msg_id = derive_id(env.id, -1)
+        return StoredOutput(0, subject, msg_id, delivery.data, {**delivery.headers, H_MSG_ID: msg_id})
+
+    async def _forward(self, forwards: list[StoredOutput]) -> Decision:
+        try:
+            await self.publisher.publish_many(forwards)
+        except PublishError as exc:
+            log.warning("%s: forwarding %d command(s) to their partitions failed: %s",
+                        self.consumer, len(forwards), one_line(exc))  # fmt: skip
+            return Decision.nak(_STORE_RETRY_DELAY)
+        return Decision.ack()
+
+    def _admit(self, index: int, delivery: Delivery) -> Work | Decision | StoredOutput:
         env = delivery.envelope
         if env is None:
             return Decision.dead_letter("malformed", "no envelope could be decoded")
@@ -231,12 +328,42 @@ class Engine(Generic[S]):
                 f"unknown command {env.type!r} for agent {self.agent.name!r}"
                 f" (known: {', '.join(sorted(self._commands)) or 'none'})",
             )
+        forward = self._to_partition(delivery, env)
+        if forward is not None:
+            return forward
+        scope = command_scope(delivery.subject, env.tenant_id)
+        attempts = self.holds.attempts(scope, env.key, delivery.num_delivered)
         try:
             resource = self.agent.resource_key(env, spec)
         except Exception as exc:
-            return self._failure(delivery, exc)
-        scope = command_scope(delivery.subject, env.tenant_id)
+            return self._failure(delivery, exc, attempts)
+        if attempts > self.settings.max_deliver:
+            # The last delivery the limit allows never runs: a worker killed by this command
+            # on every attempt still ends in a dead letter.
+            self.holds.settle((scope, resource), delivery.seq)
+            self.holds.forget(scope, env.key)
+            return Decision.dead_letter(
+                REASON_MAX_DELIVERIES,
+                f"attempted {attempts} times; the limit is {self.settings.max_deliver}",
+            )
         return Work(index, delivery, env, spec, resource, scope, position=index)
+
+    def slot_of(self, subject: str, data: bytes, headers: dict[str, str]) -> Slot | None:
+        """The resource a stored command is about; None when this agent would not run it."""
+        try:
+            env = decode(data, headers)
+            name = self._command_of(env, subject)
+            spec = self._commands.get(name) if name else None
+            if spec is None:
+                return None
+            return command_scope(subject, env.tenant_id), self.agent.resource_key(env, spec)
+        except Exception:
+            return None
+
+    def reload_holds(self) -> None:
+        """Read the held-delivery counts again before the next group (a durable was taken
+        over: its previous owner may have counted some)."""
+        self._holds_loaded = False
 
     def _command_of(self, env: Envelope, subject: str) -> str | None:
         prefix = self.agent.name + "."
@@ -301,7 +428,7 @@ class Engine(Generic[S]):
         if exc.kind == "invalid":
             # Deterministic for this message: every retry would fail the same way.
             return Decision.dead_letter(REASON_UNRECOVERABLE, exc)
-        return self._failure(work.delivery, exc)
+        return self._failure(work.delivery, exc, self._attempts(work))
 
     @staticmethod
     def _reset(works: list[Work]) -> None:
@@ -455,7 +582,7 @@ class Engine(Generic[S]):
             except Exception as exc:
                 # The handler may have changed the state in place: rebuild it.
                 states[slot] = self._rebuild(slot, raw[slot], plan)
-                decision = self._failure(d, exc)
+                decision = self._failure(d, exc, self._attempts(work))
                 plan.decisions[work.index] = decision
                 if decision.action is Action.NAK:
                     blocked[slot] = decision.delay
@@ -504,21 +631,25 @@ class Engine(Generic[S]):
 
     # ------------------------------------------------------------------ failures
 
-    def _delay(self, delivery: Delivery) -> float | None:
-        return backoff_delay(delivery.num_delivered, self.settings.backoff)
+    def _attempts(self, work: Work) -> int:
+        return self.holds.attempts(work.scope, work.env.key, work.delivery.num_delivered)
 
-    def _failure(self, delivery: Delivery, exc: BaseException) -> Decision:
-        """The decision for a command whose handler (or key) failed with ``exc``."""
+    def _delay(self, work: Work) -> float | None:
+        return backoff_delay(self._attempts(work), self.settings.backoff)
+
+    def _failure(self, delivery: Delivery, exc: BaseException, attempts: int) -> Decision:
+        """The decision for a command whose handler (or key) failed with ``exc`` on its
+        ``attempts``-th attempt (held deliveries are not attempts)."""
         if isinstance(exc, TimeoutError):
             exc = TimeoutError(f"handler timed out after {self.handler_timeout:g}s")
         decision = decide(
             exc,
-            delivery.num_delivered,
+            attempts,
             max_deliver=self.settings.max_deliver,
             backoff=self.settings.backoff,
             unrecoverable=_UNRECOVERABLE + self.agent.unrecoverable,
         )
         if decision.action is not Action.DEAD_LETTER or decision.reason == "max_deliveries":
-            log.warning("%s: transient failure of %s (delivery %d): %s", self.consumer,
-                        delivery.subject, delivery.num_delivered, one_line(exc))  # fmt: skip
+            log.warning("%s: transient failure of %s (attempt %d): %s", self.consumer,
+                        delivery.subject, attempts, one_line(exc))  # fmt: skip
         return decision

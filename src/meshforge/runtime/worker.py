@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from meshforge.config import Settings, load_settings
@@ -44,7 +45,8 @@ from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
 from meshforge.publisher import Publisher
 from meshforge.retention import store_retention
 from meshforge.runtime.agent import Agent
-from meshforge.runtime.engine import Engine
+from meshforge.runtime.engine import Engine, consumer_name
+from meshforge.runtime.holds import Holds, seed_from_stream, stream_has
 from meshforge.store import open_store
 from meshforge.store.base import Store
 from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
@@ -178,7 +180,7 @@ class _Partitions:
         consumer = Consumer(
             self.conn, spec, batch_handler=engine.handle, settings=self.settings,
             metrics=self.metrics, publisher=self.publisher, provision=False,
-            batch_size=engine.fetch_size, max_held=engine.max_held,
+            batch_size=engine.fetch_size, max_held=engine.max_held, max_deliver=None,
             on_fenced=fenced, on_unpinned_idle=unpinned_idle,
         )  # fmt: skip
         self.consumers[slot] = consumer
@@ -192,7 +194,14 @@ class _Partitions:
 
     async def _run(self, slot: str, consumer: Consumer, clean: bool) -> None:
         try:
-            consumer.held_before = await self._take_over(self.specs[slot], clean)
+            spec = self.specs[slot]
+            consumer.held_before = await self._take_over(spec, clean)
+            # What the previous owner left unacknowledged holds back its resources' later
+            # commands; the counts of held deliveries it kept are read again.
+            engine = self.engines[self.lanes[slot]]
+            await seed_from_stream(engine.holds, self.conn.js, spec, engine.slot_of)
+            for lane in self.engines:
+                lane.reload_holds()
             await consumer.run()
         except asyncio.CancelledError:
             raise
@@ -414,12 +423,13 @@ class Worker:
         for spec in consumed:
             self.metrics.prepare_consumer(spec.durable, REASONS)
         for index, (agent, spec) in enumerate(zip(self.agents, specs, strict=True)):
-            engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
+            holds = Holds(consumer_name(agent.name), present=partial(stream_has, conn.js, STREAM_COMMANDS))
+            engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics, holds=holds)
             self._engines.append(engine)
             if kv is not None:
                 group = parted[index]
                 lanes = [engine] + [
-                    Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
+                    Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics, holds=holds)
                     for _ in range(min(LANES, len(group)) - 1)
                 ]
                 self._engines += lanes[1:]
@@ -437,14 +447,15 @@ class Worker:
                 consumer = Consumer(
                     conn, spec, handler=_one_by_one(engine), settings=settings, mode="push",
                     deliver_group=self.deliver_group, metrics=self.metrics, publisher=publisher,
-                    provision=settings.provision,
+                    provision=settings.provision, max_deliver=None,
                 )  # fmt: skip
             else:
                 consumer = Consumer(
                     conn, spec, batch_handler=engine.handle, settings=settings,
                     metrics=self.metrics, publisher=publisher, provision=False,
-                    batch_size=engine.fetch_size, max_held=engine.max_held,
+                    batch_size=engine.fetch_size, max_held=engine.max_held, max_deliver=None,
                 )  # fmt: skip
+                await seed_from_stream(holds, conn.js, spec, engine.slot_of)
             self._consumers.append(consumer)
         probes = Probes(conn.js, self.metrics, [(s.stream, s.durable) for s in consumed], store=self._store)
         self._probes = asyncio.create_task(probes.run(self.probe_interval))

@@ -79,6 +79,19 @@ MIGRATIONS: list[tuple[int, list[Step]]] = [
     (2, SCOPE_STEPS),
     # An effect's outputs packed into its own row (one key written per effect, not two).
     (3, PACK_STEPS),
+    # Held deliveries per command (meshforge.runtime.holds): they are not attempts.
+    (
+        4,
+        [
+            """CREATE TABLE meshforge_holds (
+                tenant TEXT NOT NULL, namespace TEXT NOT NULL, consumer TEXT NOT NULL,
+                key TEXT NOT NULL, resource_id TEXT NOT NULL, seq BIGINT NOT NULL,
+                held INTEGER NOT NULL, stopped INTEGER NOT NULL DEFAULT 0,
+                since DOUBLE PRECISION NOT NULL,
+                updated_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (tenant, namespace, consumer, key))""",
+        ],
+    ),
 ]
 
 LATEST = MIGRATIONS[-1][0]

@@ -222,7 +222,7 @@ def test_schema_2_outputs_move_into_their_effects_rows(fresh_url: str, monkeypat
             names = {r[0] for r in tx.execute(tables)}
             assert "meshforge_effect_outputs" not in names
             versions = tx.execute("SELECT version FROM meshforge_schema_version ORDER BY version")
-        assert versions == [(1,), (2,), (3,)]
+        assert versions == [(1,), (2,), (3,), (4,)]
         # New effects are stored the new way beside the moved ones; retention takes both.
         with store.transaction() as tx:
             tx.effect_put("c", "k-5", "cmd-5", [StoredOutput(0, "evt.k-5", "m-5", b"new", {"a": "b"})], scope=A)
