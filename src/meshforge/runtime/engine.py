@@ -253,6 +253,8 @@ class Engine(Generic[S]):
         if not self._holds_loaded or self.holds.stale():
             await self._in_thread(self.store.run, self.holds.load)
             self._holds_loaded = True
+        if self.holds.quiet(works):
+            return works
         await self.holds.recheck(works)
         run, held = self.holds.split(works)
         if held:

@@ -126,14 +126,16 @@ class Holds:
         for slot, seq in found:
             self._open.setdefault(slot, {}).setdefault(seq, _Entry(False, now + due_in, now, known=False))
 
+    def quiet(self, works: Iterable[Work]) -> bool:
+        """Nothing but these works is outstanding for their resources (the usual case)."""
+        return not self.stopped and all(len(self._open.get((w.scope, w.resource), ())) <= 1 for w in works)
+
     def split(self, works: Sequence[Work]) -> tuple[list[Work], list[tuple[Work, float]]]:
         """The works (in stream order) that may run now, and those held with their nak
         delays: a work is held when an earlier command of its resource is outstanding
         outside this group, or an earlier one of this group is held."""
         run: list[Work] = []
         held: list[tuple[Work, float]] = []
-        if not self.stopped and not any(len(self._open.get((w.scope, w.resource), ())) > 1 for w in works):
-            return list(works), held  # the usual case: nothing else outstanding
         now = time.monotonic()
         group = {w.delivery.seq for w in works}
         waits: dict[Slot, float] = {}
