@@ -298,18 +298,17 @@ async def seed_from_stream(
     from the stream between its ack floor and its last delivery), before this worker
     pulls from it. Returns how many; 0 when the role may not read the stream by sequence
     (then only what this worker is delivered itself keeps the order)."""
-    info = await js.consumer_info(spec.stream, spec.durable)
-    if not info.num_ack_pending:
-        return 0
-    first = (info.ack_floor.stream_seq or 0) + 1
-    last = info.delivered.stream_seq or 0
-    cfg = info.config
-    due_in = max([*(cfg.backoff or []), cfg.ack_wait or spec.effective_ack_wait])
-    found: list[tuple[Slot, int]] = []
-    seq = first
-    try:
-        from nats.js.errors import NotFoundError
+    from nats.js.errors import NotFoundError
 
+    found: list[tuple[Slot, int]] = []
+    try:
+        info = await js.consumer_info(spec.stream, spec.durable)
+        if not info.num_ack_pending:
+            return 0
+        last = info.delivered.stream_seq or 0
+        cfg = info.config
+        due_in = max([*(cfg.backoff or []), cfg.ack_wait or spec.effective_ack_wait])
+        seq = (info.ack_floor.stream_seq or 0) + 1
         while seq <= last:
             try:
                 msg = await js.get_msg(spec.stream, seq=seq, subject=spec.filter_subject, next=True)
@@ -321,7 +320,7 @@ async def seed_from_stream(
             if slot is not None:
                 found.append((slot, msg.seq))
             seq = msg.seq + 1
-    except Exception as exc:  # a role without STREAM.MSG.GET: order holds within this worker
+    except Exception as exc:  # e.g. a role without STREAM.MSG.GET: order holds within this worker
         log.warning("%s: cannot read its unacknowledged commands (%s); later commands of"
                     " their resources are not held for them", spec.durable, one_line(exc))  # fmt: skip
         return 0

@@ -140,6 +140,12 @@ def freeze_start_up_heap() -> None:
     gc.freeze()
 
 
+def _reads_commands(settings: Settings) -> bool:
+    """Whether this worker reads what a durable left unacknowledged (by sequence, which is
+    not limited to a tenant's subjects: a worker bound to a tenant does without)."""
+    return not (settings.tenant or settings.namespace)
+
+
 class _Partitions:
     """Runs the partition durables of one agent that this worker owns, over its engines.
 
@@ -199,7 +205,8 @@ class _Partitions:
             # What the previous owner left unacknowledged holds back its resources' later
             # commands; the counts of held deliveries it kept are read again.
             engine = self.engines[self.lanes[slot]]
-            await seed_from_stream(engine.holds, self.conn.js, spec, engine.slot_of)
+            if _reads_commands(self.settings):
+                await seed_from_stream(engine.holds, self.conn.js, spec, engine.slot_of)
             for lane in self.engines:
                 lane.reload_holds()
             await consumer.run()
@@ -455,7 +462,8 @@ class Worker:
                     metrics=self.metrics, publisher=publisher, provision=False,
                     batch_size=engine.fetch_size, max_held=engine.max_held, max_deliver=None,
                 )  # fmt: skip
-                await seed_from_stream(holds, conn.js, spec, engine.slot_of)
+                if _reads_commands(settings):
+                    await seed_from_stream(holds, conn.js, spec, engine.slot_of)
             self._consumers.append(consumer)
         probes = Probes(conn.js, self.metrics, [(s.stream, s.durable) for s in consumed], store=self._store)
         self._probes = asyncio.create_task(probes.run(self.probe_interval))
