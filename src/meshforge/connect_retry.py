@@ -158,7 +158,10 @@ async def check_inbox(nc: NATS, timeout: float) -> None:  # noqa: ASYNC109
     every request and publish time out."""
     try:
         sub = await nc.subscribe(nc.new_inbox())
-        await nc.flush(timeout)  # the server's -ERR comes before its PONG
+        # nats-py writes a PING at once but the SUB from its flusher task, so the first
+        # PING may overtake the SUB; the second follows it, and the -ERR precedes its PONG.
+        await nc.flush(timeout)
+        await nc.flush(timeout)
         await sub.unsubscribe()
     except Exception as exc:  # no answer in time: the first request will say so
         log.debug("reply inbox check: %s", one_line(exc, 300))
