@@ -160,8 +160,8 @@ async def check_inbox(nc: NATS, timeout: float) -> None:  # noqa: ASYNC109
         sub = await nc.subscribe(nc.new_inbox())
         # nats-py writes a PING at once but the SUB from its flusher task, so the first
         # PING may overtake the SUB; the second follows it, and the -ERR precedes its PONG.
-        await nc.flush(timeout)
-        await nc.flush(timeout)
+        await nc.flush(timeout)  # type: ignore[arg-type]  # float works
+        await nc.flush(timeout)  # type: ignore[arg-type]
         await sub.unsubscribe()
     except Exception as exc:  # no answer in time: the first request will say so
         log.debug("reply inbox check: %s", one_line(exc, 300))

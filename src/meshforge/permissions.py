@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshforge.config import Settings
-from meshforge.credentials import user_inbox_prefix
 from meshforge.control.presence import NODES_BUCKET
+from meshforge.credentials import user_inbox_prefix
 from meshforge.errors import ConfigError, InvalidSubject
 from meshforge.partitions import BUCKET as PARTITIONS_BUCKET
 from meshforge.subjects import (

@@ -3,6 +3,7 @@ connect in one line naming what to grant; `--inbox-prefix` and MESHFORGE_INBOX_P
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -33,7 +34,7 @@ async def test_a_user_granted_only_the_shared_inbox_is_told_what_to_grant(tmp_pa
         assert "\n" not in message and "after 1 attempt(s)" in message, message
         assert "allow _INBOX_alice.> (`meshforge permissions` prints it) or set MESHFORGE_INBOX_PREFIX" in message
         options = {"servers": server.url, "user": "alice", "password": "pw"}
-        with pytest.raises(ConnectionFailed, match="reply inbox _INBOX_alice.>"):
+        with pytest.raises(ConnectionFailed, match=re.escape("reply inbox _INBOX_alice.>")):
             SyncNats(ConnOptions.from_options(options))
         # The prefix the server allows, set by hand: it connects and gets its replies.
         legacy = load_settings({"user": "alice", "password": "pw", "inbox_prefix": "_INBOX"}, env={})

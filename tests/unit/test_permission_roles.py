@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from typer.testing import CliRunner
 
@@ -78,7 +80,7 @@ def test_each_user_subscribes_to_its_own_reply_inbox_only() -> None:
 
 def test_two_users_sharing_a_reply_inbox_or_a_bad_prefix_are_refused() -> None:
     grant = role_grant("publisher")
-    with pytest.raises(ConfigError, match="'a.b' and 'a_b' would share the reply inbox '_INBOX_a_b.>'"):
+    with pytest.raises(ConfigError, match=re.escape("'a.b' and 'a_b' would share the reply inbox '_INBOX_a_b.>'")):
         authorization_block([User("a.b", grant), User("a_b", grant)])
     with pytest.raises(ConfigError, match="inbox prefix of 'x'"):
         authorization_block([User("x", grant, inbox_prefix="_INBOX.*")])

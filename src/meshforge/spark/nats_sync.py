@@ -28,7 +28,13 @@ from nats.js import JetStreamContext
 from meshforge.config import parse_duration
 from meshforge.connect_retry import attempt_connect, check_inbox, close_bounded, retry_connect
 from meshforge.credentials import NatsAuth, nats_auth_options, redact_url
-from meshforge.errors import ConfigError, ConnectionFailed, InvalidSubject, MissingTopology, one_line
+from meshforge.errors import (
+    ConfigError,
+    ConnectionFailed,
+    InvalidSubject,
+    MissingTopology,
+    one_line,
+)
 from meshforge.subjects import validate_subject
 
 __all__ = ["ConnOptions", "JetStreamApiError", "StreamInfo", "SyncNats", "lower_keys"]
