@@ -66,6 +66,7 @@ class Settings:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    inbox_prefix: str | None = None  # None: _INBOX_<user> (see credentials.user_inbox_prefix)
     connect_timeout: float = 5.0
     connect_attempts: int = 10
     max_deliver: int = 5
@@ -261,6 +262,17 @@ def _subject_token(value: object) -> str:
     raise _Bad("1 to 64 characters of A-Z a-z 0-9 _ -")
 
 
+def _inbox_prefix(value: object) -> str:
+    from meshforge.errors import InvalidSubject
+    from meshforge.subjects import validate_subject
+
+    text = _text(value)
+    try:
+        return validate_subject(text)
+    except InvalidSubject:
+        raise _Bad("a subject without wildcards, such as _INBOX_acme") from None
+
+
 def _nkey_seed(value: object) -> str:
     from meshforge.credentials import check_nkey_seed
 
@@ -283,6 +295,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "tls_ca": _text,
     "tls_cert": _text,
     "tls_key": _text,
+    "inbox_prefix": _inbox_prefix,
     "connect_timeout": _duration(positive=True),
     "connect_attempts": _int_at_least(1),
     "max_deliver": _int_at_least(1),

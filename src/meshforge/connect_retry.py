@@ -27,10 +27,10 @@ from typing import Any, TypeVar
 from nats.aio.client import Client as NATS
 from nats.errors import AuthorizationError, NoServersError
 
-from meshforge.credentials import hide_secrets, redact_url
+from meshforge.credentials import hide_secrets, redact_url, url_user, user_inbox_prefix
 from meshforge.errors import ConnectionFailed, one_line
 
-__all__ = ["AttemptFailed", "attempt_connect", "close_bounded", "retry_connect"]
+__all__ = ["AttemptFailed", "attempt_connect", "check_inbox", "close_bounded", "retry_connect"]
 
 T = TypeVar("T")
 log = logging.getLogger("meshforge.connection")
@@ -108,6 +108,8 @@ async def attempt_connect(
 ) -> None:
     """One bounded ``nc.connect`` (no reconnect loop); on failure close ``nc`` and raise AttemptFailed."""
     seen: list[str] = []
+    if "inbox_prefix" not in options:  # no user setting: the URL's user, else nats-py's own
+        options["inbox_prefix"] = user_inbox_prefix(url_user(servers))
 
     async def on_error(exc: Exception) -> None:
         seen.append(one_line(exc, 300))
@@ -148,6 +150,31 @@ async def attempt_connect(
         reason = hide_secrets(reason, secrets)
         await close_bounded(nc, _FAILED_CLOSE_TIMEOUT)
         raise AttemptFailed(reason, final=_is_final(exc, reason)) from None
+
+
+async def check_inbox(nc: NATS, timeout: float) -> None:  # noqa: ASYNC109
+    """Subscribe once under the reply-inbox prefix; AttemptFailed (final) when the server
+    refuses it: a user not allowed to (say, granted only ``_INBOX.>``) would otherwise see
+    every request and publish time out."""
+    try:
+        sub = await nc.subscribe(nc.new_inbox())
+        # nats-py writes a PING at once but the SUB from its flusher task, so the first
+        # PING may overtake the SUB; the second follows it, and the -ERR precedes its PONG.
+        await nc.flush(timeout)  # type: ignore[arg-type]  # float works
+        await nc.flush(timeout)  # type: ignore[arg-type]
+        await sub.unsubscribe()
+    except Exception as exc:  # no answer in time: the first request will say so
+        log.debug("reply inbox check: %s", one_line(exc, 300))
+    denied = str(nc.last_error or "")
+    if "permissions violation for subscription" not in denied.lower():
+        return
+    prefix = nc._inbox_prefix.decode()
+    await close_bounded(nc, _FAILED_CLOSE_TIMEOUT)
+    raise AttemptFailed(
+        f"the user may not subscribe to its reply inbox {prefix}.> ({denied.removeprefix('nats: ')});"
+        f" allow {prefix}.> (`meshforge permissions` prints it) or set MESHFORGE_INBOX_PREFIX",
+        final=True,
+    )
 
 
 def _delay(attempt: int) -> float:

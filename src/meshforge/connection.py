@@ -31,7 +31,7 @@ from nats.protocol.parser import (
 )
 
 from meshforge.config import Settings, load_settings
-from meshforge.connect_retry import attempt_connect, close_bounded, retry_connect
+from meshforge.connect_retry import attempt_connect, check_inbox, close_bounded, retry_connect
 from meshforge.credentials import NatsAuth, nats_auth_options, redact_url, ssl_context
 from meshforge.errors import one_line
 from meshforge.headers import parse_header_lines
@@ -391,6 +391,7 @@ class Connection:
         self.nc.options["max_reconnect_attempts"] = -1
         self.nc.options["reconnect_time_wait"] = _RECONNECT_WAIT
         self.state = "connected"
+        await check_inbox(self.nc, settings.connect_timeout)
 
 
 async def connect(

@@ -23,6 +23,7 @@ from typing import Any
 from meshforge.errors import ConfigError, one_line
 
 __all__ = [
+    "DEFAULT_INBOX_PREFIX",
     "NatsAuth",
     "check_creds_file",
     "check_nkey_seed",
@@ -30,12 +31,19 @@ __all__ = [
     "nats_auth_options",
     "redact_url",
     "ssl_context",
+    "url_user",
+    "user_inbox_prefix",
 ]
 
 HIDDEN = "***"
 # scheme://anything@ ... : everything up to the last "@" of a server is its user info
 _USERINFO = re.compile(r"^(\s*(?:[A-Za-z][A-Za-z0-9+.\-]*://)?).*@")
 _SEED = re.compile(r"S[A-Z][A-Z2-7]{40,}")
+# nats-py's own; a client using it shares its replies with every user granted _INBOX.>
+DEFAULT_INBOX_PREFIX = "_INBOX"
+_NOT_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
+# user:password@ of a server URL (a lone user@ is a token: never put it in a subject)
+_URL_USER = re.compile(r"^\s*(?:[A-Za-z][A-Za-z0-9+.\-]*://)?([^:@/]+):[^@/]*@")
 
 
 def redact_url(url: str) -> str:
@@ -45,6 +53,29 @@ def redact_url(url: str) -> str:
     'nats://***@host:4222,nats://h2:2'
     """
     return ",".join(_USERINFO.sub(rf"\g<1>{HIDDEN}@", part).strip() for part in url.split(","))
+
+
+def user_inbox_prefix(user: str | None) -> str:
+    """The reply-inbox prefix of ``user``'s clients: ``_INBOX_<user>`` (a character a
+    subject token cannot hold becomes ``_``), nats-py's ``_INBOX`` without a user.
+
+    >>> user_inbox_prefix("acme.pub")
+    '_INBOX_acme_pub'
+    """
+    return f"{DEFAULT_INBOX_PREFIX}_{_NOT_TOKEN.sub('_', user)}" if user else DEFAULT_INBOX_PREFIX
+
+
+def url_user(servers: list[str] | tuple[str, ...]) -> str | None:
+    """The user of the first ``user:password@`` server URL, if any.
+
+    >>> url_user(["nats://h1:4222", "nats://bob:pw@h2:4222"])
+    'bob'
+    """
+    for server in servers:
+        found = _URL_USER.match(server)
+        if found:
+            return found.group(1)
+    return None
 
 
 def hide_secrets(text: str, secrets: tuple[str | None, ...] = ()) -> str:
@@ -116,6 +147,7 @@ class NatsAuth:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    inbox_prefix: str | None = None  # None: from the user (user_inbox_prefix)
 
     @property
     def secrets(self) -> tuple[str | None, ...]:
@@ -146,8 +178,15 @@ def ssl_context(
 
 
 def nats_auth_options(auth: NatsAuth, *, label: str = "tls") -> dict[str, Any]:
-    """``nats.connect`` keyword arguments for ``auth``; ConfigError on a missing file or bad seed."""
+    """``nats.connect`` keyword arguments for ``auth``; ConfigError on a missing file or bad seed.
+
+    Replies (JetStream API answers, PubAcks, pulled messages) come to ``inbox_prefix``:
+    the setting, else one derived from the user, so that ``meshforge permissions`` can
+    let each user subscribe to its own replies only.
+    """
     options: dict[str, Any] = {}
+    if auth.inbox_prefix is not None or auth.user is not None:
+        options["inbox_prefix"] = auth.inbox_prefix or user_inbox_prefix(auth.user)
     if auth.user is not None:
         options["user"] = auth.user
         options["password"] = auth.password or ""

@@ -10,12 +10,15 @@ Each role gets the subjects its process publishes to and subscribes on, nothing 
   agents' keys in the ownership bucket;
 * ``node``: a control-plane node with ``--no-provision``: its mailbox, its reply subject,
   dead letters of its mailbox, its presence key;
-* ``publisher``: publishing commands and events (``meshforge publish``, an outbox relay);
+* ``publisher``: publishing commands (``meshforge publish``, an outbox relay); events
+  only when named with ``subjects``: agents and the audit take an event as what happened;
 * ``spark``: the pipeline: reading the given streams (ephemeral consumers and
   ``STREAM.MSG.GET``) and publishing to the subjects it writes.
 
-Every role subscribes on ``_INBOX.>``: JetStream API replies, PubAcks and pulled
-messages arrive there.
+Each user subscribes only to its own reply inbox, ``_INBOX_<user>.>`` (or the
+``inbox_prefix`` its clients are given): JetStream API replies, PubAcks and pulled
+messages arrive there, and no other user may read them (``_INBOX.>`` would let any user
+read every other user's pulled commands and PubAcks).
 
 Example::
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 from meshforge.config import Settings
 from meshforge.control.presence import NODES_BUCKET
+from meshforge.credentials import user_inbox_prefix
 from meshforge.errors import ConfigError, InvalidSubject
 from meshforge.partitions import BUCKET as PARTITIONS_BUCKET
 from meshforge.subjects import (
@@ -48,12 +52,12 @@ __all__ = [
     "Grant",
     "User",
     "authorization_block",
+    "inbox_subscription",
     "password_variable",
     "role_grant",
 ]
 
 ROLES = ("admin", "agent", "node", "publisher", "spark")
-INBOX = "_INBOX.>"
 HEALTH = "$JS.API.INFO"  # account info: what /healthz reports
 DEFAULT_SPARK_STREAMS = (STREAM_EVENTS, STREAM_FAILED)
 # Streams an agent worker checks at start (the control plane's are not its business).
@@ -62,19 +66,38 @@ _AGENT_STREAMS = (STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED)
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """Subjects a user may publish to and subscribe on (allow lists)."""
+    """Subjects a user may publish to and subscribe on (allow lists); the user's own reply
+    inbox is added to ``subscribe`` by ``authorization_block``."""
 
     publish: tuple[str, ...]
-    subscribe: tuple[str, ...] = (INBOX,)
+    subscribe: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class User:
-    """One ``users`` entry: a name, where its password comes from, and its grant."""
+    """One ``users`` entry: a name, where its password comes from, its grant, and the
+    reply-inbox prefix its clients use (``MESHFORGE_INBOX_PREFIX``; None: from the name)."""
 
     name: str
     grant: Grant
     password: str | None = None  # None: the variable $<NAME>_PASSWORD
+    inbox_prefix: str | None = None
+
+    @property
+    def inbox(self) -> str:
+        """What the user subscribes to for its replies."""
+        return inbox_subscription(self.name, self.inbox_prefix)
+
+
+def inbox_subscription(user: str, inbox_prefix: str | None = None) -> str:
+    """The one reply-inbox subscription a user is granted: what its clients' prefix covers.
+
+    >>> inbox_subscription("acme-pub")
+    '_INBOX_acme-pub.>'
+    """
+    if inbox_prefix is not None:
+        validate_subject(inbox_prefix)
+    return f"{inbox_prefix or user_inbox_prefix(user)}.>"
 
 
 def _pull(stream: str, durable: str) -> list[str]:
@@ -114,8 +137,9 @@ def role_grant(
 ) -> Grant:
     """The grant of ``role``; raises ``ConfigError`` naming a missing or bad option.
 
-    ``subjects`` narrows what a publisher may publish (default: commands and events of
-    ``tenant``); ``streams`` is what spark reads and ``writes`` what it publishes.
+    ``subjects`` is what a publisher may publish (default: the commands of ``tenant``;
+    events only when named here); ``streams`` is what spark reads and ``writes`` what it
+    publishes.
 
     >>> role_grant("admin").publish
     ('$JS.API.>',)
@@ -189,8 +213,7 @@ def _grant(
         return Grant(_unique(out))
     if role == "publisher":
         scope = f"{t}.{ns}.>" if namespace else f"{t}.>" if tenant else ">"
-        default = [f"cmd.{scope}", f"evt.{scope}"]
-        return Grant(_unique([HEALTH, *(subjects or default)]))
+        return Grant(_unique([HEALTH, *(subjects or [f"cmd.{scope}"])]))
     if role == "spark":
         out = []
         for stream in streams or DEFAULT_SPARK_STREAMS:
@@ -226,9 +249,20 @@ def authorization_block(users: Sequence[User]) -> str:
 
     Passwords are never written: each user's is ``$<USER>_PASSWORD``, which
     nats-server takes from its environment (or a bcrypt hash you put in its place).
+    Each user may subscribe to its own reply inbox; two users sharing one is refused.
     """
     entries = []
+    owners: dict[str, str] = {}
     for user in users:
+        try:
+            inbox = user.inbox
+        except InvalidSubject as exc:
+            raise ConfigError(f"inbox prefix of {user.name!r}: {exc}") from None
+        if owners.setdefault(inbox, user.name) != user.name:
+            raise ConfigError(
+                f"users {owners[inbox]!r} and {user.name!r} would share the reply inbox {inbox!r}: rename one"
+            )
+        subscribe = _unique([inbox, *user.grant.subscribe])
         password = user.password or f"${password_variable(user.name)}"
         entries.append(
             f'    {{\n      user: "{user.name}"\n      password: {password}\n'
@@ -236,7 +270,7 @@ def authorization_block(users: Sequence[User]) -> str:
             "        publish: {\n          allow: [\n"
             f"{_quoted(user.grant.publish, '            ')}\n          ]\n        }}\n"
             "        subscribe: {\n          allow: [\n"
-            f"{_quoted(user.grant.subscribe, '            ')}\n          ]\n        }}\n"
+            f"{_quoted(subscribe, '            ')}\n          ]\n        }}\n"
             "      }\n    }"
         )
     return "authorization {\n  users = [\n" + "\n".join(entries) + "\n  ]\n}\n"

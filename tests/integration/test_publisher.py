@@ -173,7 +173,7 @@ async def test_permission_denied_is_not_retried(tmp_path: Path) -> None:
     conf = tmp_path / "server.conf"
     conf.write_text(
         "authorization { users = [ {user: limited, password: pw, permissions: {"
-        ' publish: {allow: ["evt.>", "$JS.API.>"]}, subscribe: {allow: ["_INBOX.>"]}}} ] }\n'
+        ' publish: {allow: ["evt.>", "$JS.API.>"]}, subscribe: {allow: ["_INBOX_limited.>"]}}} ] }\n'
     )
     async with EmbeddedServer(store_dir=tmp_path / "nats", extra_args=["-c", str(conf)]) as server:
         s = settings(user="limited", password="pw", publish_timeout=0.5, publish_attempts=5)

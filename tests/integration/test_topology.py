@@ -332,9 +332,9 @@ authorization {
     {user: admin, password: admin}
     {user: reader, password: reader, permissions: {
       publish: {allow: ["cmd.>", "$JS.API.STREAM.INFO.>", "$JS.API.CONSUMER.INFO.>"]},
-      subscribe: {allow: ["_INBOX.>"]}}}
+      subscribe: {allow: ["_INBOX_reader.>"]}}}
     {user: locked, password: locked, permissions: {
-      publish: {allow: ["cmd.>"]}, subscribe: {allow: ["_INBOX.>"]}}}
+      publish: {allow: ["cmd.>"]}, subscribe: {allow: ["_INBOX_locked.>"]}}}
   ]
 }
 """

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from typer.testing import CliRunner
 
 from meshforge.cli import app
 from meshforge.config import Settings
 from meshforge.errors import ConfigError
-from meshforge.permissions import role_grant
+from meshforge.permissions import User, authorization_block, role_grant
 
 
 def test_tenant_narrows_what_an_agent_and_a_publisher_may_publish() -> None:
     agent = role_grant("agent", Settings(), agents=["order"], tenant="acme")
     assert "evt.acme.*.order.>" in agent.publish and "cmd.acme.*.>" in agent.publish
     assert not any(s in agent.publish for s in ("cmd.>", "evt.>", "failed.>"))
-    assert "$JS.API.INFO" in agent.publish and agent.subscribe == ("_INBOX.>",)
-    assert role_grant("publisher", tenant="acme").publish == ("$JS.API.INFO", "cmd.acme.>", "evt.acme.>")
+    assert "$JS.API.INFO" in agent.publish and agent.subscribe == ()
+    assert role_grant("publisher", tenant="acme").publish == ("$JS.API.INFO", "cmd.acme.>")
+    assert role_grant("publisher", subjects=["evt.acme.>"]).publish == ("$JS.API.INFO", "evt.acme.>")
     assert role_grant("publisher", subjects=["cmd.acme.shop.>"]).publish == ("$JS.API.INFO", "cmd.acme.shop.>")
 
 
@@ -59,3 +62,27 @@ def test_missing_or_bad_options_are_one_line(args: list[str], message: str) -> N
 def test_unknown_role_is_a_usage_error() -> None:
     result = CliRunner().invoke(app, ["permissions", "root"])
     assert result.exit_code == 2 and "unknown role 'root'; roles: admin, agent, node, publisher, spark" in result.output
+
+
+def test_each_user_subscribes_to_its_own_reply_inbox_only() -> None:
+    """Issue 29: `_INBOX.>` let every user read every other user's pulled commands."""
+    result = CliRunner().invoke(app, ["permissions", "admin", "agent", "node", "publisher", "spark",
+                                      "--agent", "order", "--site", "s", "--node", "n"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert '"_INBOX.>"' not in result.output
+    for role in ("admin", "agent", "node", "publisher", "spark"):
+        assert f'"_INBOX_meshforge-{role}.>"' in result.output
+    pub = CliRunner().invoke(app, ["permissions", "publisher", "--user", "acme.pub", "--tenant", "acme"])
+    assert '"_INBOX_acme_pub.>"' in pub.output and "evt." not in pub.output
+    own = CliRunner().invoke(app, ["permissions", "spark", "--inbox-prefix", "_INBOX_pipeline"])
+    assert '"_INBOX_pipeline.>"' in own.output and "_INBOX_meshforge" not in own.output
+
+
+def test_two_users_sharing_a_reply_inbox_or_a_bad_prefix_are_refused() -> None:
+    grant = role_grant("publisher")
+    with pytest.raises(ConfigError, match=re.escape("'a.b' and 'a_b' would share the reply inbox '_INBOX_a_b.>'")):
+        authorization_block([User("a.b", grant), User("a_b", grant)])
+    with pytest.raises(ConfigError, match="inbox prefix of 'x'"):
+        authorization_block([User("x", grant, inbox_prefix="_INBOX.*")])
+    result = CliRunner().invoke(app, ["permissions", "admin", "spark", "--inbox-prefix", "_I"])
+    assert result.exit_code == 2 and "exactly one ROLE" in result.output

@@ -121,21 +121,19 @@ def run_pipeline_report(
 
 async def _next_seqs(url: str) -> dict[str, int]:
     """The sequence the next message of the events and dead-letter streams will get."""
-    import nats
     from nats.js.errors import NotFoundError
 
-    nc = await nats.connect(url)
-    try:
-        js = nc.jetstream()
+    from meshforge.config import load_settings
+    from meshforge.connection import connect
+
+    async with await connect(load_settings(), url=url, name="meshforge-demo") as conn:
         seqs: dict[str, int] = {}
         for stream in ("MESHFORGE_EVENTS", "MESHFORGE_FAILED"):
             try:
-                seqs[stream] = int((await js.stream_info(stream)).state.last_seq) + 1
+                seqs[stream] = int((await conn.js.stream_info(stream)).state.last_seq) + 1
             except NotFoundError:
                 seqs[stream] = 1
         return seqs
-    finally:
-        await nc.close()
 
 
 @dataclass

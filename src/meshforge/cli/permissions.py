@@ -45,7 +45,7 @@ def permissions(
         list[str] | None,
         typer.Option(
             "--subject",
-            help="publisher: what it may publish (repeatable; default commands and events).",
+            help="publisher: what it may publish (repeatable; default the tenant's commands; name events here).",
         ),
     ] = None,
     write: Annotated[
@@ -56,12 +56,23 @@ def permissions(
         str | None,
         typer.Option("--user", help="The user name (one role only; default meshforge-ROLE)."),
     ] = None,
+    inbox_prefix: Annotated[
+        str | None,
+        typer.Option(
+            "--inbox-prefix",
+            help="The reply-inbox prefix the user's clients are given (MESHFORGE_INBOX_PREFIX; "
+            "one role only; default _INBOX_<user>).",
+        ),
+    ] = None,
 ) -> None:
     """Print a nats-server `authorization` block: one least-privilege user per ROLE.
 
     Passwords are not printed: each user's is the variable $<USER>_PASSWORD (upper case,
     - and . as _), which nats-server reads from its environment (or put a bcrypt hash there).
-    Start workers and nodes with --no-provision and provision as admin.
+    Start workers and nodes with --no-provision and provision as admin. Each user may
+    subscribe only to its own reply inbox, _INBOX_<user>.>: MeshForge clients connected as
+    that user use it (users authenticated by token, NKey or credentials file: set
+    MESHFORGE_INBOX_PREFIX and pass the same --inbox-prefix here).
 
     Example: meshforge permissions admin agent node --agent order --site lab1 --node node7
     """
@@ -73,6 +84,10 @@ def permissions(
         raise typer.BadParameter(f"unknown role {unknown[0]!r}; roles: {', '.join(ROLES)}")
     if user is not None and len(roles) != 1:
         raise typer.BadParameter("--user names one user: give exactly one ROLE", param_hint="--user")
+    if inbox_prefix is not None and len(roles) != 1:
+        raise typer.BadParameter(
+            "--inbox-prefix is one user's: give exactly one ROLE", param_hint="--inbox-prefix"
+        )
     settings = load_settings()
     users = [
         User(
@@ -82,6 +97,7 @@ def permissions(
                 site=site, nodes=node or [], streams=stream or [], subjects=subject or [],
                 writes=write or [],
             ),
+            inbox_prefix=inbox_prefix,
         )
         for role in dict.fromkeys(roles)
     ]

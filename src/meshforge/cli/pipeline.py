@@ -76,6 +76,7 @@ def source_options(settings: Settings) -> dict[str, str]:
         "creds": settings.creds_file, "nkey_seed": settings.nkey_seed,
         "nkey_seed_file": settings.nkey_seed_file, "tls_ca": settings.tls_ca,
         "tls_cert": settings.tls_cert, "tls_key": settings.tls_key,
+        "inbox_prefix": settings.inbox_prefix,
         "connect_timeout": f"{settings.connect_timeout:g}",
         "connect_attempts": str(settings.connect_attempts),
     }  # fmt: skip

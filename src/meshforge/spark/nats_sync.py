@@ -26,9 +26,16 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from meshforge.config import parse_duration
-from meshforge.connect_retry import attempt_connect, close_bounded, retry_connect
+from meshforge.connect_retry import attempt_connect, check_inbox, close_bounded, retry_connect
 from meshforge.credentials import NatsAuth, nats_auth_options, redact_url
-from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology, one_line
+from meshforge.errors import (
+    ConfigError,
+    ConnectionFailed,
+    InvalidSubject,
+    MissingTopology,
+    one_line,
+)
+from meshforge.subjects import validate_subject
 
 __all__ = ["ConnOptions", "JetStreamApiError", "StreamInfo", "SyncNats", "lower_keys"]
 
@@ -64,6 +71,18 @@ def _number(options: Mapping[str, str], name: str, default: str, cast: type[floa
     return value
 
 
+def _inbox_prefix(raw: str | None) -> str | None:
+    """The ``inbox_prefix`` option checked as the setting is: a subject without wildcards."""
+    if raw is None:
+        return None
+    try:
+        return validate_subject(str(raw).strip())
+    except InvalidSubject:
+        raise ConfigError(
+            f"jetstream: option 'inbox_prefix' must be a subject without wildcards such as _INBOX_acme, got {raw!r}"
+        ) from None
+
+
 @dataclass(frozen=True, slots=True)
 class ConnOptions:
     """How to reach NATS: the data source's connection options, picklable; secrets kept out of repr."""
@@ -78,6 +97,7 @@ class ConnOptions:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    inbox_prefix: str | None = None  # None: from the user, as the runtime does
     connect_timeout: float = 5.0
     connect_attempts: int = 3
 
@@ -100,6 +120,7 @@ class ConnOptions:
             tls_ca=options.get("tls_ca"),
             tls_cert=options.get("tls_cert"),
             tls_key=options.get("tls_key"),
+            inbox_prefix=_inbox_prefix(options.get("inbox_prefix") or os.environ.get("MESHFORGE_INBOX_PREFIX")),
             connect_timeout=_number(options, "connect_timeout", "5", float),
             connect_attempts=_number(options, "connect_attempts", "3", int),
         )
@@ -130,6 +151,7 @@ class ConnOptions:
             user=self.user, password=self.password, token=self.token, creds_file=self.creds,
             nkey_seed=self.nkey_seed, nkey_seed_file=self.nkey_seed_file,
             tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
+            inbox_prefix=self.inbox_prefix,
         )  # fmt: skip
         try:
             return nats_auth_options(auth, label="jetstream")
@@ -188,6 +210,7 @@ class SyncNats:
                 nc, list(conn.servers), connect_timeout=conn.connect_timeout,
                 secrets=conn.secrets, name="meshforge-spark", **options,
             )  # fmt: skip
+            await check_inbox(nc, conn.connect_timeout)
             return nc
 
         return await retry_connect(

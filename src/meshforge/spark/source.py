@@ -15,7 +15,7 @@ Read options: ``servers``, ``stream`` (required), ``filterSubject``, ``envelope`
 ``endingOffsets`` (batch), ``maxMessagesPerTrigger`` (streaming), ``failOnDataLoss``,
 ``fetchBatch``, and the connection options ``user``, ``password``, ``token``,
 ``nkey_seed``, ``nkey_seed_file``, ``creds``, ``tls_ca``, ``tls_cert``, ``tls_key``,
-``connect_timeout``, ``connect_attempts`` (see :class:`meshforge.spark.nats_sync.ConnOptions`).
+``inbox_prefix``, ``connect_timeout``, ``connect_attempts`` (see :class:`meshforge.spark.nats_sync.ConnOptions`).
 Write options: see :mod:`meshforge.spark.writer`.
 """
 
