@@ -94,7 +94,7 @@ async def page(browser: Browser, request: pytest.FixtureRequest) -> AsyncIterato
     finally:
         report = getattr(request.node, "report_call", None)
         if report is not None and report.failed:
-            SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+            os.makedirs(SCREENSHOTS, exist_ok=True)
             shot = SCREENSHOTS / f"{request.node.name}.png"
             await tab.screenshot(path=str(shot), full_page=True)
             print(f"screenshot of the failed test: {shot}")

@@ -18,7 +18,6 @@ from console_support import (
     sign_in,
 )
 from playwright.async_api import Page, expect
-from polling import wait_until
 
 from meshforge.config import Settings
 from meshforge.connection import Connection
@@ -27,6 +26,7 @@ from meshforge.demo import InventoryAgent
 from meshforge.publisher import Publisher
 from meshforge.server import EmbeddedServer
 from meshforge.testing.live import WorkerHarness
+from polling import wait_until
 
 DocShot = Callable[[Page, str], Awaitable[None]]
 
@@ -72,7 +72,7 @@ async def test_an_operator_sees_a_planted_dead_letter_redrives_it_and_the_agent_
         await wait_until(applied, timeout=15, what=f"inventory.created for {sku}")
     assert not await _exists(conn, seq)
     await wait_until(
-        lambda: f"alice (operator via session" in console.log()
+        lambda: "alice (operator via session" in console.log()
         and f"re-drove dead letter {seq}" in console.log(),
         what="the audit line naming alice",
     )

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from console_support import OPERATOR_TOKEN, VIEWER_TOKEN, ConsoleProcess, sign_in
 from playwright.async_api import Page, expect
-from polling import wait_until
 
 from meshforge.server import EmbeddedServer
+from polling import wait_until
 
 DocShot = Callable[[Page, str], Awaitable[None]]
 

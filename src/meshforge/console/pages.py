@@ -80,7 +80,7 @@ async def send(request: Request, user: User, form: FormData) -> Response:
     payload = _payload(payload_text)
     deadline = _text(form, "deadline") or None
     if _text(form, "confirm") != "yes":
-        context = {
+        context: dict[str, Any] = {
             "what": f"Send {command} to {site}/{node}",
             "count": None,
             "detail": json.dumps(payload),

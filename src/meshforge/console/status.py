@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -153,7 +154,7 @@ class StatusReader:
                 ordered_consumer=True,
                 config=ConsumerConfig(
                     deliver_policy=DeliverPolicy.BY_START_TIME,
-                    opt_start_time=since.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                    opt_start_time=since,
                     headers_only=True,
                 ),
             )
@@ -192,6 +193,6 @@ def _rates(history: collections.deque[tuple[float, int]]) -> list[float]:
     points = list(history)
     return [
         max(0.0, (b[1] - a[1]) / max(b[0] - a[0], 1e-3))
-        for a, b in zip(points, points[1:], strict=False)
+        for a, b in itertools.pairwise(points)
     ]
 
