@@ -46,7 +46,7 @@ def test_only_loopback_is_served_without_tokens() -> None:
     assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.5", "::", "example.com"))
     check_bind("127.0.0.1", ConsoleTokens())
     check_bind("0.0.0.0", ConsoleTokens(operator="t"))
-    with pytest.raises(ConfigError, match="refusing to listen on '0.0.0.0' without authentication"):
+    with pytest.raises(ConfigError, match=r"refusing to listen on '0\.0\.0\.0' without authentication"):
         check_bind("0.0.0.0", ConsoleTokens())
 
 
