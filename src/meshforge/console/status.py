@@ -28,7 +28,7 @@ __all__ = ["ConsumerRow", "Overview", "StatusReader", "StreamRow"]
 
 # A sparkline keeps this many samples; the reason count reads at most this many letters.
 HISTORY = 30
-REASON_SCAN_LIMIT = 20_000
+REASON_SCAN_LIMIT = 5_000
 _REASON_IDLE = 0.5
 
 
