@@ -28,7 +28,7 @@ from _floors import floor
 from rich.table import Table
 
 from meshforge.config import load_settings
-from meshforge.connection import connect
+from meshforge.connection import Connection, connect
 from meshforge.server import EmbeddedServer
 from meshforge.subjects import STREAM_FAILED
 from meshforge.topology import default_streams, ensure
@@ -53,14 +53,21 @@ async def fill(url: str, n: int) -> None:
         await conn.nc.publish("failed." + subject, BODY, headers=headers)
         if i % 5000 == 4999:
             await conn.nc.flush()
-            while (await conn.js.stream_info(STREAM_FAILED)).state.messages < i - 50_000:
-                await asyncio.sleep(0.05)  # let the server catch up before sending more
+            await stored_at_least(conn, i - 50_000)  # let the server catch up before sending more
     await conn.nc.flush()
-    while (stored := (await conn.js.stream_info(STREAM_FAILED)).state.messages) < n:
-        await asyncio.sleep(0.1)  # the server stores the last ones
+    stored = await stored_at_least(conn, n)
     took = time.perf_counter() - started
     console.print(f"stored {stored:,} dead letters in {took:.0f} s ({stored / took:,.0f}/s)")
     await conn.close()
+
+
+async def stored_at_least(conn: Connection, count: int) -> int:
+    """How many messages the dead-letter stream holds, once it holds at least ``count``."""
+    while True:
+        stored = int((await conn.js.stream_info(STREAM_FAILED)).state.messages)
+        if stored >= count:
+            return stored
+        await asyncio.sleep(0.05)  # the server is still storing what was sent
 
 
 def start_console(url: str, home: Path) -> tuple[subprocess.Popen[bytes], str]:
