@@ -69,8 +69,15 @@ async def conn(console_settings: Settings) -> AsyncIterator[Connection]:
 def console(
     console_server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory, conn: Connection
 ) -> Iterator[ConsoleProcess]:
-    """The console with a viewer and an operator token, as an operator deploys it."""
-    proc = ConsoleProcess(console_server.url, tmp_path_factory.mktemp("console"), env=TOKENS).start()
+    """The console with a viewer and an operator token, as an operator deploys it; one
+    audit report waits under its ``--reports``."""
+    reports = tmp_path_factory.mktemp("reports")
+    (reports / "run1" / "report").mkdir(parents=True)
+    (reports / "run1" / "report" / "audit.json").write_text('{"ok": true, "generated_at": "2026-11-27T10:00:00Z"}')
+    (reports / "run1" / "report" / "audit.html").write_text("<html><body>exactly once, checked</body></html>")
+    proc = ConsoleProcess(
+        console_server.url, tmp_path_factory.mktemp("console"), "--reports", str(reports), env=TOKENS
+    ).start()
     yield proc
     proc.stop()
 

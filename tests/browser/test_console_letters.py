@@ -23,8 +23,10 @@ from meshforge.config import Settings
 from meshforge.connection import Connection
 from meshforge.deadletter import DeadLetters
 from meshforge.demo import InventoryAgent
+from meshforge.originals import keep_original
 from meshforge.publisher import Publisher
 from meshforge.server import EmbeddedServer
+from meshforge.subjects import STREAM_COMMANDS
 from meshforge.testing.live import WorkerHarness
 from polling import wait_until
 
@@ -100,6 +102,46 @@ async def test_a_hostile_body_shows_as_text_and_opens_no_dialog(
     assert await page.locator("main script, main img").count() == 0
     await page.wait_for_load_state("load")
     assert dialogs == []
+
+
+async def test_a_binary_body_shows_escaped_and_a_truncated_letter_links_its_whole_original(
+    console: ConsoleProcess, conn: Connection, page: Page
+) -> None:
+    binary = await plant(conn.js, f"cmd.default.demo.bin{uuid.uuid4().hex[:6]}.create", bytes(range(256)) * 40)
+    agent = f"cut{uuid.uuid4().hex[:6]}"
+    whole = b'{"type": "x.create", "payload": {"blob": "' + b"z" * 9000 + b'"}}'
+    copy = await keep_original(
+        Publisher(conn.js), f"cmd.default.demo.{agent}.create", whole, {"Trace": "t1"}, STREAM_COMMANDS, 77
+    )
+    cut = await plant(
+        conn.js,
+        f"cmd.default.demo.{agent}.create",
+        whole[:100],
+        headers={"Dlq-Truncated": "body", "Dlq-Original": copy},
+    )
+    await sign_in(page, console.url, OPERATOR_TOKEN, "bob")
+    await page.goto(f"{console.url}/dead-letters/{binary}")
+    await expect(page.get_by_text("10240 bytes, binary; first 4096 shown")).to_be_visible()
+    await expect(page.locator("#body")).to_contain_text("\\x00\\x01\\x02")
+
+    await page.goto(f"{console.url}/dead-letters/{cut}")
+    await expect(page.locator("#body")).not_to_contain_text("z" * 200)
+    await page.click("#show-original")
+    await expect(page.get_by_text(f"{len(whole)} bytes, text; first 4096 shown")).to_be_visible()
+    await expect(page.locator("#headers")).to_contain_text("Trace")
+
+
+async def test_the_pipeline_page_links_the_latest_audit_report_under_its_own_policy(
+    console: ConsoleProcess, page: Page
+) -> None:
+    await sign_in(page, console.url, VIEWER_TOKEN, "pia")
+    await page.click("text=Pipeline")
+    await expect(page.locator("#reports")).to_contain_text("run1")
+    await expect(page.locator("#reports")).to_contain_text("held")
+    report = await page.request.get(f"{console.url}/pipeline/0")
+    assert report.ok and "exactly once, checked" in await report.text()
+    assert "script-src" not in report.headers["content-security-policy"]
+    assert "default-src 'none'" in report.headers["content-security-policy"]
 
 
 async def test_a_viewer_sees_but_cannot_act_and_a_forged_post_is_refused(

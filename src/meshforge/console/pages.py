@@ -158,6 +158,8 @@ async def login(request: Request) -> Response:
     target = request.query_params.get("next", "/")
     if not target.startswith("/") or target.startswith("//"):
         target = "/"  # only paths of this console: no open redirect
+    if not console.tokens.configured:
+        return see_other(target)  # no token to give: the local user is already in
     if request.method == "GET":
         return render(request, "login.html", {"next": target, "error": ""})
     form = await request.form()

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nats.errors
+import nats.js.errors
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
@@ -106,6 +108,8 @@ def page(handler: Handler) -> Handler:
             return await handler(request)
         except MeshForgeError as exc:
             return _failed(request, exc)
+        except (nats.errors.Error, nats.js.errors.Error) as exc:  # one line, as the CLI shows
+            return _failed(request, MeshForgeError(one_line(exc, 300)))
 
     return wrapped
 
@@ -131,7 +135,7 @@ def action(handler: ActionHandler) -> Handler:
             return await handler(request, user, form)
         except MeshForgeError as exc:
             return _failed(request, exc)
-        except Exception as exc:  # nats-py errors: one line, as the CLI shows them
+        except (nats.errors.Error, nats.js.errors.Error) as exc:  # one line, as the CLI shows
             return _failed(request, MeshForgeError(one_line(exc, 300)))
 
     return wrapped
