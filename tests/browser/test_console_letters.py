@@ -48,12 +48,19 @@ async def test_an_operator_sees_a_planted_dead_letter_redrives_it_and_the_agent_
     body, _ = command_body("inventory.create", {"sku": sku, "qty": 5})
     seq = await plant(conn.js, "cmd.default.demo.inventory.create", body)
 
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     async with WorkerHarness([InventoryAgent()], console_settings, namespace="demo") as harness:
         await sign_in(page, console.url, OPERATOR_TOKEN, "alice")
         # The overview lists the agent's consumer, its sparkline drawn by the vendored library.
         await expect(page.locator("#consumers")).to_contain_text("inventory")
         await expect(page.locator("#reasons")).to_contain_text("max_deliveries")
         await expect(page.locator("#consumers svg.sparkline path").first).to_be_attached()
+        # It refreshes itself (htmx, every 5 s): a new reason shows without a reload.
+        await plant(conn.js, f"cmd.default.demo.late{sku}.create", b"{}", reason="rejected")
+        await expect(page.locator("#reasons")).to_contain_text("rejected", timeout=15_000)
+        await expect(page.locator("#consumers svg.sparkline path").first).to_be_attached()
+        assert errors == []  # the policy blocked nothing the page needs
         await doc_shot(page, "overview")
 
         await page.click("text=Dead letters")
