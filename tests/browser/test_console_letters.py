@@ -211,6 +211,18 @@ async def test_purge_confirms_with_the_count_and_redrive_selected_takes_the_chec
     letters = DeadLetters(conn.js, Publisher(conn.js))
     assert await letters.count(f"failed.cmd.default.demo.{agent}.>") == 0
 
+    other = f"all{uuid.uuid4().hex[:6]}"
+    for _ in range(2):
+        await plant(conn.js, f"cmd.default.demo.{other}.create", b"{}")
+    await page.goto(f"{console.url}/dead-letters?subject=cmd.default.demo.{other}.>")
+    await page.click("#redrive-all")
+    await expect(page.locator("#confirm-count")).to_have_text("2")
+    await page.click("#confirm")
+    await expect(page.locator("#flash")).to_contain_text("2 dead letter(s) re-driven")
+    assert await letters.count(f"failed.cmd.default.demo.{other}.>") == 0
+    info = await conn.js.stream_info(STREAM_COMMANDS, subjects_filter=f"cmd.default.demo.{other}.>")
+    assert sum((info.state.subjects or {}).values()) == 2
+
 
 @pytest.fixture(scope="module")
 def acme_console(
@@ -232,6 +244,7 @@ async def test_a_console_bound_to_a_tenant_never_shows_or_touches_another_tenant
     await sign_in(page, acme_console.url, OPERATOR_TOKEN, "ann")
     await expect(page.locator("#tenant")).to_have_text("tenant acme")
     await expect(page.locator("header nav")).not_to_contain_text("Nodes")
+    await expect(page.locator("#streams")).to_have_count(0)  # totals would count other tenants
     await page.goto(f"{acme_console.url}/dead-letters")
     await expect(page.locator(f"#letter-{mine}")).to_be_visible()
     await expect(page.locator(f"#letter-{theirs}")).to_have_count(0)
