@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import logging
 import socket
 from pathlib import Path
 from typing import Annotated
@@ -85,11 +84,12 @@ def console(
     from meshforge.config import load_settings
     from meshforge.console import ConsoleTokens, create_app
     from meshforge.console.auth import check_bind
+    from meshforge.observability import configure_logging
 
     settings = load_settings({"nats_url": nats_url, "tenant": tenant})
     tokens = ConsoleTokens.from_settings(settings)
     check_bind(host, tokens)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_json)
     with nats_target(settings.nats_url) as url:
         sock = bind(host, port)
         app = create_app(settings, nats_url=url, tokens=tokens, reports=reports, https_only=https_only)
@@ -99,6 +99,7 @@ def console(
             typer.echo("no console token set: open to this machine only, as operator", err=True)
         config = uvicorn.Config(
             app,
+            log_config=None,  # uvicorn's lines go through MeshForge's logging, as JSON when asked
             log_level=settings.log_level.lower(),
             proxy_headers=False,  # the client address is the peer's: the audit log names it
             server_header=False,
