@@ -54,3 +54,24 @@ def test_the_command_refuses_a_public_host_without_tokens_before_touching_nats()
     out = CliRunner().invoke(app, ["console", "--host", "0.0.0.0", "--nats-url", "nats://127.0.0.1:1"])
     assert out.exit_code != 0
     assert "refusing to listen on '0.0.0.0' without authentication" in str(out.exception)
+
+
+def test_the_default_port_falls_back_to_a_free_one_and_a_taken_explicit_port_is_an_error() -> None:
+    import socket
+
+    from meshforge.cli.console import DEFAULT_PORT, bind
+
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", DEFAULT_PORT))
+        holder.listen(1)
+    except OSError:
+        pass  # someone else holds 8222 already: the fallback is needed all the same
+    try:
+        with bind("127.0.0.1", None) as sock:
+            assert sock.getsockname()[1] not in (DEFAULT_PORT, 0)
+            taken = sock.getsockname()[1]
+            with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{taken}"):
+                bind("127.0.0.1", taken)
+    finally:
+        holder.close()
