@@ -9,9 +9,15 @@ CHAOS_SCALE ?= 1
 # nats-server and PostgreSQL database); most tests wait on servers and subprocesses.
 TEST_JOBS ?= 2
 
-.PHONY: setup demo test lint unit integration chaos bench clean
+.PHONY: setup browser demo test lint unit integration chaos bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
+
+# The console's browser tests drive Debian's chromium (Playwright downloads no browser).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=; [ "$$(id -u)" -eq 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "MeshForge needs Python 3.11+, found " + sys.version.split()[0]'
@@ -28,7 +34,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
 
-test: $(STAMP) lint
+test: $(STAMP) browser lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_JOBS) --dist loadfile
 
 unit: $(STAMP)

@@ -46,7 +46,9 @@ __all__ = [
 ENV_PREFIX = "MESHFORGE_"
 DEFAULT_FILE = "meshforge.toml"
 # Never shown: not in errors, not in repr
-SECRET_SETTINGS = frozenset({"password", "token", "nkey_seed"})
+SECRET_SETTINGS = frozenset(
+    {"password", "token", "nkey_seed", "console_viewer_token", "console_operator_token"}
+)
 # Shown without their user info (a password may sit in the URL)
 _URL_SETTINGS = frozenset({"nats_url", "store_url"})
 
@@ -99,6 +101,10 @@ class Settings:
     reply_retention: float = 30 * 86400.0
     log_level: str = "INFO"
     log_json: bool = False
+    console_viewer_token: str | None = field(default=None, repr=False)
+    console_viewer_token_file: str | None = None
+    console_operator_token: str | None = field(default=None, repr=False)
+    console_operator_token_file: str | None = None
 
     def __repr__(self) -> str:
         # URLs may carry a password; secrets are left out (see SECRET_SETTINGS)
@@ -328,6 +334,10 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "reply_retention": _duration(positive=False),
     "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", upper=True),
     "log_json": _boolean,
+    "console_viewer_token": _text,
+    "console_viewer_token_file": _text,
+    "console_operator_token": _text,
+    "console_operator_token_file": _text,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(Settings)}, "a setting lacks a parser"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 import nats.errors
@@ -113,6 +114,59 @@ class DeadLetters:
                 _letter(raw.seq, raw.subject or "", raw.data or b"", raw.headers or {}, raw.time)
             )
         return letters
+
+    async def page(
+        self,
+        *,
+        start: int = 1,
+        limit: int = 50,
+        subject_filter: str | None = None,
+        reason: str | None = None,
+        since: datetime | None = None,
+        scan_limit: int = 2000,
+    ) -> tuple[builtins.list[DeadLetter], int | None]:
+        """Up to ``limit`` dead letters from sequence ``start`` on (matching the subject
+        pattern, ``reason`` and stored at or after ``since``), and the sequence the next
+        page starts at (None at the end of the stream). Reads at most ``scan_limit``
+        messages, so a rare reason never makes one page read a million letters."""
+        if subject_filter:
+            validate_subject(subject_filter, wildcards=True)
+        if since is not None:
+            start = max(start, await self.first_seq_since(since))
+        letters: builtins.list[DeadLetter] = []
+        seq = max(1, start)
+        for _ in range(scan_limit):
+            if len(letters) >= limit:
+                return letters, seq
+            raw = await self._next(seq, subject_filter)
+            if raw is None or raw.seq is None:
+                return letters, None
+            seq = raw.seq + 1
+            if is_original_copy(raw.subject or ""):
+                continue
+            letter = _letter(raw.seq, raw.subject or "", raw.data or b"", raw.headers or {}, raw.time)
+            if reason is None or letter.reason == reason:
+                letters.append(letter)
+        return letters, seq
+
+    async def first_seq_since(self, moment: datetime) -> int:
+        """The sequence of the first message stored at or after ``moment`` (past the last
+        when none is): a binary search over the stream, about 20 reads for a million."""
+        try:
+            state = (await self.js.stream_info(self.stream)).state
+        except nats.js.errors.NotFoundError:
+            raise self._missing() from None
+        low, high = int(state.first_seq or 1), int(state.last_seq) + 1
+        while low < high:
+            mid = (low + high) // 2
+            raw = await self._next(mid, None)
+            if raw is None or raw.seq is None:
+                high = mid
+            elif raw.time is not None and raw.time < moment:
+                low = raw.seq + 1
+            else:
+                high = mid
+        return low
 
     async def get(self, seq: int) -> DeadLetter:
         """The dead letter with id ``seq``; raises ``MeshForgeError`` when there is none."""

@@ -1,0 +1,104 @@
+"""The console's ASGI app: routes, sessions, security headers, and its one NATS connection.
+
+Example::
+
+    app = create_app(load_settings(), nats_url="nats://127.0.0.1:4222")
+    uvicorn.run(app, host="127.0.0.1", port=8222)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.sessions import SessionMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.routing import Mount
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from meshforge.config import Settings
+from meshforge.connection import connect
+from meshforge.console import letters, pages
+from meshforge.console.auth import CSP, SECURITY_HEADERS, ConsoleTokens
+from meshforge.console.web import HERE, Console
+
+__all__ = ["create_app"]
+
+DEFAULT_REPORTS = Path(".meshforge/pipeline")
+_LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
+
+
+class SecurityHeaders:
+    """Adds the CSP and the other security headers to every response that lacks them."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                present = {name.lower() for name, _ in headers}
+                wanted = {"Content-Security-Policy": CSP, **SECURITY_HEADERS}
+                for name, value in wanted.items():
+                    if name.lower().encode() not in present:
+                        headers.append((name.lower().encode(), value.encode()))
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    nats_url: str,
+    tokens: ConsoleTokens | None = None,
+    reports: Path = DEFAULT_REPORTS,
+    https_only: bool = False,
+) -> Starlette:
+    """The console for the server at ``nats_url``; bound to ``settings.tenant`` when set."""
+    tokens = tokens if tokens is not None else ConsoleTokens.from_settings(settings)
+    console = Console(settings, tokens, settings.tenant, reports)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        console.conn = await connect(settings, url=nats_url, name="meshforge-console")
+        try:
+            yield
+        finally:
+            conn, console.conn = console.conn, None
+            await conn.close()
+
+    middleware = [Middleware(SecurityHeaders)]
+    if not tokens.configured:
+        # Open to its local user only: a page of another site resolving to 127.0.0.1
+        # (DNS rebinding) names another host and is refused.
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=_LOOPBACK_HOSTS))
+    middleware.append(
+        Middleware(
+            SessionMiddleware,
+            secret_key=secrets.token_urlsafe(32),  # sessions end with the process
+            session_cookie="meshforge_console",
+            same_site="strict",
+            https_only=https_only,
+            max_age=12 * 3600,
+        )
+    )
+    routes = [
+        *pages.routes,
+        *letters.routes,
+        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+    ]
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.console = console
+    return app
