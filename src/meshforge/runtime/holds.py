@@ -54,8 +54,14 @@ _AFTER = 0.2
 # A blocker whose due time is unknown (found unacknowledged at a take-over): held
 # commands look again at least this often.
 _UNKNOWN_POLL = 2.0
+# A blocker in flight here (another group commits or publishes it, or a slow handler runs):
+# held commands look again this often.
+_HERE_POLL = 1.0
 # How long past its due time a blocker may stay away before the stream is asked about it.
 _GRACE = 1.0
+# A blocker "in flight here" this long is asked about too (a consumer that stopped and
+# nak'ed it without the engine: it may have gone to another worker since).
+_STUCK = 60.0
 # Behind a dead-lettered head kept by ``Agent.hold_after_dead_letter``: how often held
 # commands come back, and how often the store is read again for a release.
 STOPPED_POLL = 5.0
@@ -78,7 +84,7 @@ _LOAD = "SELECT tenant, namespace, key, held, stopped, resource_id FROM meshforg
 @dataclass(slots=True)
 class _Entry:
     here: bool  # in flight in this worker now
-    due: float  # monotonic time it is expected back (while away)
+    due: float  # monotonic time it is expected back (while away); arrived here (while here)
     since: float  # monotonic time it was first seen outstanding
     known: bool = True  # False: found at a take-over, its due time a guess
     checked: float = 0.0  # monotonic time the stream last said it is still there
@@ -117,7 +123,7 @@ class Holds:
             if entry is None:
                 entries[w.delivery.seq] = _Entry(True, now, now)
             else:
-                entry.here = True
+                entry.here, entry.due = True, now
 
     def seed(self, found: Iterable[tuple[Slot, int]], due_in: float) -> None:
         """Commands a durable had unacknowledged when this worker took it, expected back
@@ -161,7 +167,7 @@ class Holds:
             if s >= seq or s in group:
                 continue
             if e.here:
-                due = _AFTER  # committing or publishing in another group right now
+                due = _HERE_POLL
             else:
                 due = max(e.due - now, 0.0) + _AFTER
                 if not e.known:
@@ -193,7 +199,8 @@ class Holds:
         now = time.monotonic()
         for slot in {(w.scope, w.resource) for w in works}:
             for seq, e in list(self._open.get(slot, {}).items()):
-                if e.here or now < e.due + _GRACE or now - e.checked < _GRACE:
+                late = now > e.due + (_STUCK if e.here else _GRACE)
+                if not late or now - e.checked < _GRACE:
                     continue
                 if await self.present(seq):
                     e.checked = time.monotonic()
