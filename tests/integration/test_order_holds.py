@@ -91,6 +91,18 @@ async def _events_order(conn: Any, agent: Agent[Seq], r: str) -> list[int]:
     return out
 
 
+async def _head_then(conn: Any, agent: Agent[Seq], r: str, head: dict[str, Any], later: range) -> Envelope:
+    """Send n=1 of ``r`` (with ``head``'s failure), wait for its first attempt, then send ``later``."""
+    first = await _send(conn, agent, r, 1, **head)
+    await polling.wait_until(
+        lambda: agent.attempts.get(first.id, 0) >= 1,  # type: ignore[attr-defined]
+        timeout=10, what="the first attempt",
+    )
+    for n in later:
+        await _send(conn, agent, r, n)
+    return first
+
+
 @pytest.mark.parametrize("failure", [{"fail": 1}, {"retry": 2.0}], ids=["exception", "retry"])
 async def test_later_commands_wait_for_one_that_failed_in_an_earlier_fetch(
     nats_url: str, sqlite_url: str, failure: dict[str, Any]
@@ -103,13 +115,7 @@ async def test_later_commands_wait_for_one_that_failed_in_an_earlier_fetch(
     store = await open_store_async(sqlite_url)
     try:
         async with running([agent], settings, store=store):
-            first = await _send(conn, agent, "a", 1, **failure)
-            await polling.wait_until(
-                lambda: agent.attempts.get(first.id, 0) >= 1,  # type: ignore[attr-defined]
-                timeout=10, what="the first attempt",
-            )
-            for n in range(2, 6):
-                await _send(conn, agent, "a", n)
+            await _head_then(conn, agent, "a", failure, range(2, 6))
             await _send(conn, agent, "b", 1)
             await wait_until(lambda: consumer_idle(conn, agent.name), within=30)
             assert _applied(store, agent, "a") == [1, 2, 3, 4, 5]
@@ -130,13 +136,7 @@ async def test_held_commands_do_not_burn_their_deliveries(nats_url: str, sqlite_
     store = await open_store_async(sqlite_url)
     try:
         async with running([agent], settings, store=store):
-            first = await _send(conn, agent, "a", 1, fail=2)
-            await polling.wait_until(
-                lambda: agent.attempts.get(first.id, 0) >= 1,  # type: ignore[attr-defined]
-                timeout=10, what="the first attempt",
-            )
-            for n in range(2, 5):
-                await _send(conn, agent, "a", n)
+            await _head_then(conn, agent, "a", {"fail": 2}, range(2, 5))
             await wait_until(lambda: consumer_idle(conn, agent.name), within=30)
             assert _applied(store, agent, "a") == [1, 2, 3, 4]
             assert not await dead_letters_of(conn, agent.name)
@@ -152,13 +152,7 @@ async def test_a_dead_lettered_head_lets_the_rest_pass(nats_url: str, sqlite_url
     store = await open_store_async(sqlite_url)
     try:
         async with running([agent], settings, store=store):
-            first = await _send(conn, agent, "a", 1, fail=99)
-            await polling.wait_until(
-                lambda: agent.attempts.get(first.id, 0) >= 1,  # type: ignore[attr-defined]
-                timeout=10, what="the first attempt",
-            )
-            for n in range(2, 5):
-                await _send(conn, agent, "a", n)
+            await _head_then(conn, agent, "a", {"fail": 99}, range(2, 5))
             await wait_until(lambda: consumer_idle(conn, agent.name), within=30)
             assert _applied(store, agent, "a") == [2, 3, 4]
             letters = await dead_letters_of(conn, agent.name)
@@ -177,11 +171,7 @@ async def test_the_hold_survives_a_restart(nats_url: str, sqlite_url: str) -> No
     store = await open_store_async(sqlite_url)
     try:
         async with running([agent], settings, store=store):
-            first = await _send(conn, agent, "a", 1, fail=1)
-            await polling.wait_until(
-                lambda: agent.attempts.get(first.id, 0) >= 1,  # type: ignore[attr-defined]
-                timeout=10, what="the first attempt",
-            )
+            await _head_then(conn, agent, "a", {"fail": 1}, range(0))
         for n in range(2, 5):
             await _send(conn, agent, "a", n)
         async with running([agent], settings, store=store):

@@ -225,12 +225,7 @@ class Holds:
 
     def count(self, tx: Transaction, held: Sequence[Work]) -> None:
         """Count one held delivery for each (in the store first, then here)."""
-        now = time.time()
-        for w in held:
-            tx.execute(_UPSERT, (
-                w.scope.tenant, w.scope.namespace, self.consumer, w.env.key, w.resource,
-                w.delivery.seq, now, now,
-            ))  # fmt: skip
+        self._write(tx, _UPSERT, held)
         for w in held:
             key = (w.scope, w.env.key)
             self.counts[key] = self.counts.get(key, 0) + 1
@@ -250,14 +245,17 @@ class Holds:
 
     def stop(self, tx: Transaction, heads: Sequence[Work]) -> None:
         """Keep these dead-lettered commands' resources held (in the store first)."""
-        now = time.time()
+        self._write(tx, _STOP, heads)
         for w in heads:
-            tx.execute(_STOP, (
+            self.stopped[(w.scope, w.resource)] = w.env.key
+
+    def _write(self, tx: Transaction, sql: str, works: Sequence[Work]) -> None:
+        now = time.time()
+        for w in works:
+            tx.execute(sql, (
                 w.scope.tenant, w.scope.namespace, self.consumer, w.env.key, w.resource,
                 w.delivery.seq, now, now,
             ))  # fmt: skip
-        for w in heads:
-            self.stopped[(w.scope, w.resource)] = w.env.key
 
     def clear_forgotten(self, tx: Transaction) -> None:
         """Delete the count rows of commands applied or dead-lettered since the last call."""
