@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from order_checker_agent import AGENT, ATTEMPTS_ENV
+from order_oracle import Command, Outcome, WireEvent, check
 
 from meshforge.cli.demo_support import AgentProcess, read_stream
 from meshforge.config import Settings, load_settings
@@ -41,8 +43,6 @@ from meshforge.server import EmbeddedServer
 from meshforge.store import open_store
 from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
 from meshforge.topology import agent_consumer, default_streams, ensure, partition_consumers
-from order_checker_agent import AGENT, ATTEMPTS_ENV
-from order_oracle import Command, Outcome, WireEvent, check
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
@@ -203,8 +203,10 @@ class OrderRun:
             return await self._judge(conn)
         finally:
             for i in list(fleet.stopped):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(fleet.workers[i].proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+                proc = fleet.workers[i].proc
+                if proc is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGCONT)
             for w in fleet.workers:
                 w.kill()
             await conn.close()
@@ -342,6 +344,16 @@ async def checked_run(url: str, store_url: str, work: Path, *, seed: int, second
     dead letters only), which today's code must pass: the checker's own control."""
     run = OrderRun(url, store_url, work, seed, partitions=partitions, transient=not calm, kills=not calm)
     return run, await run.run(seconds)
+
+
+async def assert_order_holds(url: str, store_url: str, work: Path, *, seconds: float, partitions: int = 3) -> None:
+    """A run of ``seconds`` (times CHAOS_SCALE) that must show no violation and real faults."""
+    run, outcome = await checked_run(url, store_url, work, seed=seed_from_env(), seconds=seconds * scale(),
+                                     partitions=partitions)  # fmt: skip
+    verdict = report(run, outcome)
+    print(verdict)  # the seed and the figures, in the test's captured output
+    assert outcome.ok, verdict
+    assert sum(run.faults.values()) >= 5, f"too few faults to mean anything: {verdict}"
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ publish was lost to a crash is re-published on redelivery, after later events.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -143,7 +144,7 @@ def check(
         if wrong:
             out.violations.append(_diff(resource, cmds, dead, want, wrong))
         by_seq = [e.at for e in sorted(seen, key=lambda e: e.seq)]
-        out.inversions += sum(1 for a, b in zip(by_seq, by_seq[1:], strict=False) if b < a)
+        out.inversions += sum(1 for a, b in itertools.pairwise(by_seq) if b < a)
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from crash_harness import audit_events
 
-from meshforge.cli.demo_support import read_stream
+from meshforge.cli.demo_support import StreamMessage, read_stream
 from meshforge.config import load_settings
 from meshforge.connection import connect
 from meshforge.envelope import Envelope
@@ -37,7 +37,7 @@ async def test_an_output_published_again_after_the_duplicate_window_fails_the_au
         for subject, env in outputs:
             await publisher.publish(subject, env)
 
-        async def events() -> list:  # type: ignore[type-arg]
+        async def events() -> list[StreamMessage]:
             return await read_stream(conn.js, STREAM_EVENTS, "evt.>")
 
         assert audit_events(await events(), [create], [stock]) == {e.id for _, e in outputs}

@@ -51,7 +51,7 @@ def test_an_event_stored_twice_is_counted_not_merged_as_a_set() -> None:
 def test_lost_doubled_and_wrongly_dead_lettered_commands_are_named() -> None:
     outcome = check(
         CMDS, dead_letters=["a2", "b1"], states={"A": [1, 3, 3], "B": [2]}, log={"A": [1, 3, 3], "B": [2]},
-        wire=wire(("a1", 1, 0), ("a3", 3, 1), ("b2", 2, 0)) + [WireEvent("x", "a3", 3, 2, 300)], left=1,
+        wire=[*wire(("a1", 1, 0), ("a3", 3, 1), ("b2", 2, 0)), WireEvent("x", "a3", 3, 2, 300)], left=1,
     )  # fmt: skip
     said = "\n".join(outcome.violations)
     assert "1 command(s) never left the commands stream" in said

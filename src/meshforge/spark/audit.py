@@ -122,7 +122,7 @@ def _doubled_outputs(events: DataFrame) -> tuple[int, list[dict[str, Any]]]:
         events.where(F.col("id").isNotNull())
         .groupBy("id")
         .agg(copies.alias("copies"), seqs.alias("seqs"), F.first("causation_id", ignorenulls=True).alias("causation_id"),
-             F.first("type", ignorenulls=True).alias("type"))  # fmt: skip
+             F.first("type", ignorenulls=True).alias("type"))
         .where(F.col("copies") > 1)
         .select("id", "type", "causation_id", "copies", "seqs")
     )
@@ -354,7 +354,7 @@ def compute(
         },
         "violations": {
             "duplicate_effects": dups, "doubled_outputs": doubled, "missing_effects": missing, "lost_outputs": lost,
-        },  # fmt: skip
+        },
         "dead_letters": dead,
         "redeliveries": redeliveries,
         "latency_ms": latency,
