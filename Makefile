@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.meshforge-installed
-# CHAOS_SCALE multiplies the kill counts of the crash suite (`make chaos` runs ten times more).
+# CHAOS_SCALE multiplies the kill counts of the crash suite and the order checker's workload
+# time (`make chaos` runs ten times more: ~10 minutes of checker per store).
 CHAOS_SCALE ?= 1
 # `make test` runs the test files in this many processes (each session has its own
 # nats-server and PostgreSQL database); most tests wait on servers and subprocesses.

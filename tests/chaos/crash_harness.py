@@ -18,7 +18,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,16 +155,7 @@ class Run:
         assert not failed, f"dead letters: {[m.headers.get('Dlq-Error') for m in failed]}"
         info = await self.conn.js.stream_info(STREAM_COMMANDS)
         assert info.state.messages == 0, f"{info.state.messages} commands never processed"
-        by_cause = _by_cause(events)
-        for c in self.creates:
-            reserve = derive_id(c.id, 1)
-            assert by_cause[c.id] == {derive_id(c.id, 0)}, f"order {c.id}: events {by_cause[c.id]}"
-            assert by_cause[reserve] == {derive_id(reserve, 0)}, f"reserve {reserve}: {by_cause[reserve]}"
-        for s in self.stock:
-            assert by_cause[s.id] == {derive_id(s.id, 0)}
-        expected = 2 * len(self.creates) + len(self.stock)
-        distinct = {m.headers.get("Nats-Msg-Id") for m in events}
-        assert len(distinct) == expected, f"{len(distinct)} distinct events, expected {expected}"
+        distinct = audit_events(events, self.creates, self.stock)
 
         store = await asyncio.to_thread(open_store, self.store_url)
         try:
@@ -217,6 +208,24 @@ async def ready(port: int) -> bool:
         return False
     finally:
         writer.close()
+
+
+def audit_events(events: list[StreamMessage], creates: list[Envelope], stock: list[Envelope]) -> set[str | None]:
+    """Each command's one event, stored ONCE: messages are counted per ``Nats-Msg-Id``, so
+    an output published again after the duplicate window shows. Returns the ids seen."""
+    copies = Counter(m.headers.get("Nats-Msg-Id") for m in events)
+    doubled = {msg_id: n for msg_id, n in copies.items() if n > 1}
+    assert not doubled, f"outputs stored more than once in the events stream (id: copies): {doubled}"
+    by_cause = _by_cause(events)
+    for c in creates:
+        reserve = derive_id(c.id, 1)
+        assert by_cause[c.id] == {derive_id(c.id, 0)}, f"order {c.id}: events {by_cause[c.id]}"
+        assert by_cause[reserve] == {derive_id(reserve, 0)}, f"reserve {reserve}: {by_cause[reserve]}"
+    for s in stock:
+        assert by_cause[s.id] == {derive_id(s.id, 0)}, f"stock {s.id}: events {by_cause[s.id]}"
+    expected = 2 * len(creates) + len(stock)
+    assert len(events) == expected, f"{len(events)} event messages, expected {expected}"
+    return set(copies)
 
 
 def _by_cause(events: list[StreamMessage]) -> dict[str, set[str]]:

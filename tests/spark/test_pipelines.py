@@ -15,6 +15,7 @@ from meshforge.scope import Scope
 from meshforge.server import EmbeddedServer
 from meshforge.spark.pipelines import audit, ingest
 from meshforge.store import StoredOutput, open_store
+from polling import wait_until
 
 pytestmark = pytest.mark.spark
 
@@ -147,6 +148,40 @@ async def test_audit_passes_on_clean_data_and_catches_planted_faults(
     html = bad.html_path.read_text()
     assert "Exactly-once VIOLATED" in html and commands[2].id in html and "<svg" in html
     assert "http://" not in html and "https://" not in html
+    scenario.store.close()
+
+
+async def test_audit_counts_an_output_stored_twice_after_the_duplicate_window(
+    spark: SparkSession, private_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The same event (same id) published again once the server's duplicate window has
+    passed is a second stream message: the audit counts messages, so it is a violation."""
+    url, store_url = private_server.url, f"sqlite:///{tmp_path / 'store.db'}"
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await js.add_stream(name=EVENTS, subjects=["evt.>"], duplicate_window=0.2)  # minutes, made short
+    scenario = Scenario(store_url)
+    commands = [scenario.processed() for _ in range(3)]
+    for subject, data, headers in scenario.wire:
+        await js.publish(subject, data, headers=headers)
+    subject, data, headers = scenario.wire[1]
+
+    async def stored_again() -> bool:
+        ack = await js.publish(subject, data, headers=headers)
+        return not ack.duplicate  # inside the window the server drops it
+
+    await wait_until(stored_again, timeout=10, what="the re-publish stored after the duplicate window")
+    await nc.close()
+    events = tmp_path / "events"
+    assert ingest(spark, url, EVENTS, events).rows == 4
+    result = audit(spark, str(events), tmp_path / "report", store_url=store_url)
+    assert not result.ok
+    counts, violations = result.findings["counts"], result.findings["violations"]
+    assert (counts["events"], counts["event_ids"], counts["duplicate_effects"], counts["doubled_outputs"]) == (4, 3, 0, 1)
+    [doubled] = violations["doubled_outputs"]
+    assert (doubled["id"], doubled["causation_id"], doubled["copies"]) == (headers["Nats-Msg-Id"], commands[1].id, 2)
+    assert doubled["seqs"] == [2, 4]
+    assert "Exactly-once VIOLATED" in result.html_path.read_text()
     scenario.store.close()
 
 

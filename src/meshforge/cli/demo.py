@@ -30,7 +30,7 @@ from rich.table import Table
 from meshforge.cli.common import HOME, NatsUrl, nats_target
 
 if TYPE_CHECKING:
-    from meshforge.cli.demo_support import AgentProcess, EventWatch
+    from meshforge.cli.demo_support import AgentProcess, EventWatch, StreamMessage
     from meshforge.connection import Connection
     from meshforge.envelope import Envelope
 
@@ -310,6 +310,29 @@ async def _load(
     return load
 
 
+def effects_seen(
+    events: list[StreamMessage], sent: dict[str, str]
+) -> tuple[dict[str, list[str]], dict[str, list[str]], int]:
+    """Per order command (``sent``: command id -> order id) its ``order.created`` messages,
+    per order its reserve outcome messages, and how many were reserved. Every message is
+    counted, even one whose id is already seen: an output published again after the
+    duplicate window is stored twice, and that is a doubled effect."""
+    orders = set(sent.values())
+    created: dict[str, list[str]] = defaultdict(list)
+    settled: dict[str, list[str]] = defaultdict(list)
+    reserved = 0
+    for message in events:
+        env = message.envelope()
+        if env is None:
+            continue
+        if env.type == "order.created" and env.causation_id in sent:
+            created[env.causation_id].append(env.id)
+        elif env.type in ("inventory.reserved", "inventory.rejected") and env.payload.get("order_id") in orders:
+            settled[env.payload["order_id"]].append(env.id)
+            reserved += env.type == "inventory.reserved"
+    return created, settled, reserved
+
+
 async def _audit(
     console: Console, conn: Connection, load: _Load, start_seq: int, store_url: str
 ) -> bool:
@@ -317,18 +340,7 @@ async def _audit(
 
     events = await read_stream(conn.js, "MESHFORGE_EVENTS", "evt.default.demo.>", start_seq)
     orders = set(load.sent.values())
-    created: dict[str, set[str]] = defaultdict(set)  # command id -> distinct event ids
-    settled: dict[str, set[str]] = defaultdict(set)  # order id -> distinct reserve outcome ids
-    reserved = 0
-    for message in events:
-        env = message.envelope()
-        if env is None:
-            continue
-        if env.type == "order.created" and env.causation_id in load.sent:
-            created[env.causation_id].add(env.id)
-        elif env.type in ("inventory.reserved", "inventory.rejected") and env.payload.get("order_id") in orders:
-            settled[env.payload["order_id"]].add(env.id)
-            reserved += env.type == "inventory.reserved"
+    created, settled, reserved = effects_seen(events, load.sent)
     lost = (len(load.sent) - len(created)) + (len(orders) - len(settled))
     doubled = sum(len(ids) - 1 for ids in created.values()) + sum(len(ids) - 1 for ids in settled.values())
     replays = {}

@@ -213,7 +213,8 @@ def print_summary(findings: dict[str, object]) -> None:
     rows = [
         ("events", counts.get("events")), ("effects in the store", counts.get("effects")),
         ("commands landed", counts.get("commands")),
-        ("duplicate effects", counts.get("duplicate_effects")), ("missing effects", counts.get("missing_effects")),
+        ("duplicate effects", counts.get("duplicate_effects")), ("doubled outputs", counts.get("doubled_outputs")),
+        ("missing effects", counts.get("missing_effects")),
         ("lost outputs", counts.get("lost_outputs")), ("dead letters", dead.get("total")),
         ("latency p50 / p99 ms", f"{latency.get('p50', '-')} / {latency.get('p99', '-')}"),
     ]  # fmt: skip

@@ -5,6 +5,8 @@ Findings (each a plain dict, ready for ``audit.json``):
 * duplicate effects: one command's output (causation id and output position) landed
   under two different event ids, or an event claims a command whose stored outputs do
   not include it;
+* doubled outputs: one event id stored in the stream more than once (a re-publish after
+  the duplicate window): every stream message is counted, never merged as a set;
 * missing effects: a command the runtime received with no effect stored, no event
   caused by it, and no dead letter;
 * lost outputs: an effect marked published whose event never reached the stream;
@@ -107,6 +109,24 @@ def _duplicate_effects(events: DataFrame, store: StoreTables | None) -> tuple[in
         )
         found = groups.unionByName(strays).dropDuplicates(["causation_id", "type"])
     return _counted(found, ["causation_id", "type"])
+
+
+def _doubled_outputs(events: DataFrame) -> tuple[int, list[dict[str, Any]]]:
+    """Event ids stored as several stream messages: the server's duplicate window was past
+    when the same output was published again, so a consumer of the stream sees it twice."""
+    # A stream message is (stream, seq): a table that landed one message twice is not this.
+    message = [c for c in ("stream", "seq") if c in events.columns]
+    copies = F.countDistinct(*map(F.col, message)) if message else F.count("*")
+    seqs = F.sort_array(F.collect_set("seq")) if "seq" in events.columns else F.lit(None)
+    doubled = (
+        events.where(F.col("id").isNotNull())
+        .groupBy("id")
+        .agg(copies.alias("copies"), seqs.alias("seqs"), F.first("causation_id", ignorenulls=True).alias("causation_id"),
+             F.first("type", ignorenulls=True).alias("type"))
+        .where(F.col("copies") > 1)
+        .select("id", "type", "causation_id", "copies", "seqs")
+    )
+    return _counted(doubled, ["id"])
 
 
 def _dead_letter_ids(failed: DataFrame) -> DataFrame:
@@ -306,6 +326,7 @@ def compute(
         # The kept originals of truncated dead letters are copies, not dead letters.
         failed = failed.where(~F.col("subject").startswith(ORIGINAL_PREFIX))
     dup_count, dups = _duplicate_effects(events, store)
+    doubled_count, doubled = _doubled_outputs(events)
     known, missing_count, missing = _missing_effects(events, failed, store, commands)
     lost_count, lost = _lost_outputs(events, store)
     types = {r["type"] or "(malformed)": int(r["count"]) for r in events.groupBy("type").count().collect()}
@@ -319,7 +340,7 @@ def compute(
             latency["processing"] = processing
     redeliveries["dead_letter_deliveries"] = dead.pop("deliveries")
     findings: dict[str, Any] = {
-        "ok": dup_count == 0 and missing_count == 0 and lost_count == 0,
+        "ok": dup_count == 0 and doubled_count == 0 and missing_count == 0 and lost_count == 0,
         "counts": {
             "events": sum(types.values()),
             "event_ids": event_counts["event_ids"],
@@ -327,10 +348,13 @@ def compute(
             "commands": known,
             "effects": store.effects.count() if store is not None else None,
             "duplicate_effects": dup_count,
+            "doubled_outputs": doubled_count,
             "missing_effects": missing_count,
             "lost_outputs": lost_count,
         },
-        "violations": {"duplicate_effects": dups, "missing_effects": missing, "lost_outputs": lost},
+        "violations": {
+            "duplicate_effects": dups, "doubled_outputs": doubled, "missing_effects": missing, "lost_outputs": lost,
+        },
         "dead_letters": dead,
         "redeliveries": redeliveries,
         "latency_ms": latency,

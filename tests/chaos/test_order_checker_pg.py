@@ -1,0 +1,27 @@
+"""The order checker (see ``test_order_checker.py``) on PostgreSQL: partitioned workers,
+and workers sharing one durable (no partitions: any worker may get any resource)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from order_checker import assert_order_holds
+
+from meshforge.server import EmbeddedServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+
+@pytest.mark.xfail(strict=False, reason="per-resource hold not merged yet")
+async def test_each_resource_is_applied_in_stored_order_under_faults_on_postgresql(
+    private_server: EmbeddedServer, own_pg: str, tmp_path: Path
+) -> None:
+    await assert_order_holds(private_server.url, own_pg, tmp_path, seconds=50.0)
+
+
+@pytest.mark.xfail(strict=False, reason="per-resource hold not merged yet")
+async def test_order_holds_when_workers_share_one_durable(
+    private_server: EmbeddedServer, own_pg: str, tmp_path: Path
+) -> None:
+    await assert_order_holds(private_server.url, own_pg, tmp_path, seconds=20.0, partitions=0)
