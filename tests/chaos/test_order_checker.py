@@ -21,7 +21,6 @@ from meshforge.server import EmbeddedServer
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.xfail(strict=False, reason="per-resource hold not merged yet")
 async def test_each_resource_is_applied_in_stored_order_under_faults_on_sqlite(
     private_server: EmbeddedServer, tmp_path: Path
 ) -> None:

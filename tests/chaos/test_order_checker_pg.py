@@ -13,14 +13,12 @@ from meshforge.server import EmbeddedServer
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 
-@pytest.mark.xfail(strict=False, reason="per-resource hold not merged yet")
 async def test_each_resource_is_applied_in_stored_order_under_faults_on_postgresql(
     private_server: EmbeddedServer, own_pg: str, tmp_path: Path
 ) -> None:
     await assert_order_holds(private_server.url, own_pg, tmp_path, seconds=50.0)
 
 
-@pytest.mark.xfail(strict=False, reason="per-resource hold not merged yet")
 async def test_order_holds_when_workers_share_one_durable(
     private_server: EmbeddedServer, own_pg: str, tmp_path: Path
 ) -> None:
