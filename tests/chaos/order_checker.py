@@ -305,7 +305,8 @@ class OrderRun:
             env = m.envelope()
             dead.append(env.id if env is not None else m.headers.get("Nats-Msg-Id", "?"))
         states, log = await asyncio.to_thread(self._read_store)
-        return check(self.sent, dead_letters=dead, states=states, log=log, wire=wire, left=left)
+        return check(self.sent, dead_letters=dead, states=states, log=log, wire=wire, left=left,
+                     ordered=self.partitions > 0)  # fmt: skip
 
     def _read_store(self) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         scope = Scope(TENANT, NAMESPACE)

@@ -255,7 +255,7 @@ async def test_max_deliver_exhaustion_gives_exactly_one_dead_letter(
     s = settings(max_deliver=3, backoff="100ms,100ms,100ms", ack_wait=1.0)
     agent, metrics = unique_agent(), Metrics()
     spec = agent_consumer(agent, s)
-    assert spec.max_deliver == 4  # one delivery reserved for dead-lettering
+    assert spec.max_deliver == -1  # attempts are counted by the consumer: settings.max_deliver
     calls: list[int] = []
 
     async def handle(d: Delivery) -> None:
