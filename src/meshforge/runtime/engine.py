@@ -52,6 +52,7 @@ from meshforge.observability import Metrics
 from meshforge.publisher import Publisher
 from meshforge.runtime.agent import Agent, Event, Output
 from meshforge.runtime.effects import Conflict, EffectStore, Opened, Plan, Work, drive
+from meshforge.runtime.killswitch import KillSwitch, is_outage
 from meshforge.runtime.marks import PublishedMarks
 from meshforge.runtime.outputs import build_outputs, decode_payload, event_name
 from meshforge.runtime.stage import PublishStage
@@ -110,6 +111,7 @@ class Engine(Generic[S]):
         settings: Settings | None = None,
         metrics: Metrics | None = None,
         handler_timeout: float | None = None,
+        kill_switch: KillSwitch | None = None,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -117,6 +119,8 @@ class Engine(Generic[S]):
         self.settings = settings or Settings()
         self.metrics = metrics or Metrics.default()
         self.consumer = consumer_name(agent.name)
+        #: Opened by an outage of the store (shared by a worker's engines and consumers).
+        self.kill_switch = kill_switch or KillSwitch(self.metrics)
         self.handler_timeout = handler_timeout or min(self.settings.ack_wait / 2, 30.0)
         #: Most commands one transaction takes from the batches waiting for it: under a
         #: backlog several fetches share a commit (fewer syncs, fewer pages written again).
@@ -256,18 +260,30 @@ class Engine(Generic[S]):
             return await self._split(works, exc)
 
     async def _retrying(self, works: list[Work]) -> Plan:
-        """One transaction, run again on conflicts and retriable errors; raises the others."""
-        for attempt in range(1, _BATCH_ATTEMPTS + 1):
+        """One transaction, run again on conflicts and retriable errors; raises the others.
+        An outage of the store holds it (kept alive) and probes until the store answers."""
+        attempt = probes = 0
+        while attempt < _BATCH_ATTEMPTS:
             try:
-                return await self._run(works)
+                plan = await self._run(works)
             except Conflict:
                 log.info("%s: another worker stored an effect of this batch; running it again", self.consumer)
             except StoreError as exc:
+                if is_outage(exc):  # not these commands' fault: never count it against them
+                    self._reset(works)
+                    self.kill_switch.open("store", exc)
+                    probes += 1
+                    await self.kill_switch.pause(probes)
+                    continue
                 if not exc.retriable:
                     raise
-                if attempt == _BATCH_ATTEMPTS:
+                if attempt == _BATCH_ATTEMPTS - 1:
                     log.warning("%s: store failed, batch will be redelivered: %s", self.consumer, exc)
                     return self._nak_all(works)
+            else:
+                self.kill_switch.close("store")
+                return plan
+            attempt += 1
             self._reset(works)
         return self._nak_all(works)
 

@@ -45,6 +45,7 @@ from meshforge.publisher import Publisher
 from meshforge.retention import store_retention
 from meshforge.runtime.agent import Agent
 from meshforge.runtime.engine import Engine
+from meshforge.runtime.killswitch import KillSwitch
 from meshforge.store import open_store
 from meshforge.store.base import Store
 from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
@@ -179,7 +180,7 @@ class _Partitions:
             self.conn, spec, batch_handler=engine.handle, settings=self.settings,
             metrics=self.metrics, publisher=self.publisher, provision=False,
             batch_size=engine.fetch_size, max_held=engine.max_held,
-            on_fenced=fenced, on_unpinned_idle=unpinned_idle,
+            on_fenced=fenced, on_unpinned_idle=unpinned_idle, pause=engine.kill_switch,
         )  # fmt: skip
         self.consumers[slot] = consumer
         self.tasks[slot] = asyncio.create_task(self._run(slot, consumer, clean))
@@ -302,6 +303,8 @@ class Worker:
         self._conn: Connection | None = None
         self._endpoint: HttpEndpoint | None = None
         self._probes: asyncio.Task[None] | None = None
+        #: Open while an outage (of the store) pauses the work: /readyz says 503 meanwhile.
+        self.kill_switch = KillSwitch(self.metrics)
         self.metrics.track(self.is_ready, self._connected)
 
     async def run(self) -> None:
@@ -414,12 +417,14 @@ class Worker:
         for spec in consumed:
             self.metrics.prepare_consumer(spec.durable, REASONS)
         for index, (agent, spec) in enumerate(zip(self.agents, specs, strict=True)):
-            engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
+            engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics,
+                            kill_switch=self.kill_switch)  # fmt: skip
             self._engines.append(engine)
             if kv is not None:
                 group = parted[index]
                 lanes = [engine] + [
-                    Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics)
+                    Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics,
+                           kill_switch=self.kill_switch)  # fmt: skip
                     for _ in range(min(LANES, len(group)) - 1)
                 ]
                 self._engines += lanes[1:]
@@ -443,7 +448,7 @@ class Worker:
                 consumer = Consumer(
                     conn, spec, batch_handler=engine.handle, settings=settings,
                     metrics=self.metrics, publisher=publisher, provision=False,
-                    batch_size=engine.fetch_size, max_held=engine.max_held,
+                    batch_size=engine.fetch_size, max_held=engine.max_held, pause=self.kill_switch,
                 )  # fmt: skip
             self._consumers.append(consumer)
         probes = Probes(conn.js, self.metrics, [(s.stream, s.durable) for s in consumed], store=self._store)
@@ -455,8 +460,9 @@ class Worker:
         return self._endpoint
 
     def is_ready(self) -> bool:
-        """Consuming and connected: what /readyz answers (503 while NATS is away)."""
-        return self.ready.is_set() and self._connected()
+        """Consuming, connected, no outage: what /readyz answers (503 while NATS or the
+        store is away)."""
+        return self.ready.is_set() and self._connected() and not self.kill_switch.paused
 
     def _connected(self) -> bool:
         return self._conn is not None and self._conn.current_state() == "connected"
