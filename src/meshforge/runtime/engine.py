@@ -46,11 +46,11 @@ from meshforge.decisions import (
     decide,
 )
 from meshforge.envelope import H_MSG_ID, Envelope
-from meshforge.errors import InvalidSubject, PublishError, StoreError, Unrecoverable, one_line
+from meshforge.errors import HandlerTimeout, InvalidSubject, PublishError, StoreError, Unrecoverable, one_line
 from meshforge.faults import crash_point
 from meshforge.observability import Metrics
 from meshforge.publisher import Publisher
-from meshforge.runtime.agent import Agent, Event, Output
+from meshforge.runtime.agent import Agent, CommandSpec, Event, Output
 from meshforge.runtime.effects import Conflict, EffectStore, Opened, Plan, Work, drive
 from meshforge.runtime.killswitch import KillSwitch, is_outage
 from meshforge.runtime.marks import PublishedMarks
@@ -121,7 +121,9 @@ class Engine(Generic[S]):
         self.consumer = consumer_name(agent.name)
         #: Opened by an outage of the store (shared by a worker's engines and consumers).
         self.kill_switch = kill_switch or KillSwitch(self.metrics)
-        self.handler_timeout = handler_timeout or min(self.settings.ack_wait / 2, 30.0)
+        #: An async handler's limit unless its command or agent has one: it is kept alive
+        #: with in_progress meanwhile, however it compares with the ack wait.
+        self.handler_timeout = handler_timeout or self.settings.handler_timeout
         #: Most commands one transaction takes from the batches waiting for it: under a
         #: backlog several fetches share a commit (fewer syncs, fewer pages written again).
         self.max_batch = _GROUP_BATCHES * self.settings.batch_size
@@ -461,8 +463,15 @@ class Engine(Generic[S]):
                     # Never suspends, so a timer could not interrupt it: spare one per command.
                     outputs = await agent.handle(work.spec, work.env, states[slot])
                 else:
-                    async with asyncio.timeout(self.handler_timeout):
-                        outputs = await agent.handle(work.spec, work.env, states[slot])
+                    limit = work.spec.timeout or agent.timeout or self.handler_timeout
+                    timer = asyncio.timeout(limit)
+                    try:
+                        async with timer:
+                            outputs = await agent.handle(work.spec, work.env, states[slot])
+                    except TimeoutError:
+                        if not timer.expired():
+                            raise  # the handler's own
+                        raise self._timed_out(work.spec, limit) from None
                 new_state, work.outputs, work.events = build_outputs(
                     agent, work.env, work.resource, d.subject, outputs, states[slot],
                     self.settings.partitions, work.scope,
@@ -481,6 +490,19 @@ class Engine(Generic[S]):
             stored[(work.scope, work.env.key)] = work.outputs  # a later duplicate re-publishes
             plan.done.append(work)
         return plan
+
+    def _timed_out(self, spec: CommandSpec, limit: float) -> HandlerTimeout:
+        """Which timeout fired, and how to raise it."""
+        if spec.timeout:
+            where = f"@command({spec.name!r}, timeout=...)"
+        elif self.agent.timeout:
+            where = f"{type(self.agent).__name__}.timeout"
+        else:
+            where = "handler_timeout (MESHFORGE_HANDLER_TIMEOUT)"
+        return HandlerTimeout(
+            f"handler {self.agent.name}.{spec.name} timed out after {limit:g}s, the limit of {where};"
+            " raise it there if the handler needs longer"
+        )
 
     @staticmethod
     def _check_sizes(outputs: list[StoredOutput], limits: SizeLimits) -> None:
@@ -525,8 +547,6 @@ class Engine(Generic[S]):
 
     def _failure(self, delivery: Delivery, exc: BaseException) -> Decision:
         """The decision for a command whose handler (or key) failed with ``exc``."""
-        if isinstance(exc, TimeoutError):
-            exc = TimeoutError(f"handler timed out after {self.handler_timeout:g}s")
         decision = decide(
             exc,
             delivery.num_delivered,
