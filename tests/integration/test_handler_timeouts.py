@@ -40,7 +40,7 @@ def sleepy_agent(agent_timeout: float | None = None, command_timeout: float | No
         timeout = agent_timeout
         started: ClassVar[dict[str, int]] = {}
 
-        @command("nap", key="id", timeout=command_timeout)
+        @command("nap", key="id", **({"timeout": command_timeout} if command_timeout else {}))
         async def nap(self, cmd: Envelope, state: Calls) -> list[Output]:
             self.started[cmd.id] = self.started.get(cmd.id, 0) + 1
             await asyncio.sleep(float(cmd.payload["seconds"]))
