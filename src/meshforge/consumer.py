@@ -328,6 +328,7 @@ class Consumer:
             self._get_publisher,
             backoff=limits.wait_backoff or self.settings.backoff,
             ack_sync=self._ack_sync,
+            server_wait=(limits.ack_wait, limits.wait_backoff),
         )
         self._processor = Processor(
             self.durable,
