@@ -271,6 +271,8 @@ class Connection:
         self.reconnects = 0
         self.last_error: str | None = None
         self._js: JetStreamContext | None = None
+        #: Called with the new state on each loss and recovery (the worker's kill switch).
+        self.on_state: list[Callable[[State], None]] = []
 
     @property
     def js(self) -> JetStreamContext:
@@ -284,11 +286,17 @@ class Connection:
         if self.state != "closed" and not self.nc.is_closed:
             self.state = "reconnecting"
             log.warning("disconnected from NATS %s; reconnecting", redact_url(self.url))
+            self._tell()
 
     async def _on_reconnected(self) -> None:
         self.state = "connected"
         self.reconnects += 1
         log.info("reconnected to NATS %s", self._server())
+        self._tell()
+
+    def _tell(self) -> None:
+        for listener in self.on_state:
+            listener(self.state)
 
     async def _on_error(self, exc: Exception) -> None:
         self.last_error = one_line(exc, 300)

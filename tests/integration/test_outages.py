@@ -27,6 +27,7 @@ from meshforge.config import Settings
 from meshforge.connection import Connection
 from meshforge.envelope import Envelope
 from meshforge.runtime.worker import Worker
+from meshforge.server import EmbeddedServer
 
 # The settings of every outage here: short, so an outage of a few seconds outlasts them.
 ACK_WAIT, BACKOFF, MAX_DELIVER = 2.0, (0.2, 0.4, 0.6), 4
@@ -163,3 +164,34 @@ async def test_read_only_store_pauses_and_resumes_without_dead_letters(
     assert switch_lines(caplog.records) == ["kill switch open", "kill switch closed"]
     lines = outage_lines(caplog.records)
     assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) <= 5, lines
+
+
+async def test_nats_server_killed_pauses_and_resumes_without_dead_letters(
+    private_server: EmbeddedServer, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nats-server SIGKILLed under load, down longer than every delivery, restarted."""
+    caplog.set_level(logging.INFO, logger="meshforge")
+    agent = blob_agent()
+    settings = settings_for(private_server.url, sqlite_url, ack_wait=ACK_WAIT, backoff=BACKOFF,
+                            max_deliver=MAX_DELIVER, publish_attempts=2, publish_backoff_cap=0.2)  # fmt: skip
+    conn = await open_conn(settings)
+    try:
+        async with running([agent], settings) as worker:
+            first = commands(agent.name, 400)
+            await send_many(conn, first)
+            await wait_until(lambda: _applied(conn, agent.name, 50), within=20, what="the first commands applied")
+            await asyncio.to_thread(private_server.kill)
+            wrong = await hold_open(worker, outlasts(settings))
+            await asyncio.to_thread(private_server.start)
+            rest = commands(agent.name, 50)
+            await wait_until(lambda: conn.current_state() == "connected", within=20, what="the test reconnected")
+            await send_many(conn, rest)
+            await all_applied_once(conn, agent.name, [e.id for _, e in first + rest])
+            await wait_until(lambda: worker.is_ready(), within=10, what="/readyz true again")
+    finally:
+        await conn.close()
+    assert wrong == []
+    opened = switch_lines(caplog.records)
+    assert opened[:2] == ["kill switch open", "kill switch closed"] and len(opened) <= 4, opened
+    lines = outage_lines(caplog.records)
+    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) <= 40, lines

@@ -145,7 +145,7 @@ class Engine(Generic[S]):
         # One transaction at a time; the publish stage keeps their order on the wire.
         self._commit = asyncio.Lock()
         self._queue: deque[_Batch] = deque()
-        self._stage = PublishStage(self.consumer, publisher)
+        self._stage = PublishStage(self.consumer, publisher, self.kill_switch)
         self._tx = EffectStore(agent, store, self.consumer)
         self._marks = PublishedMarks(self._flush_marks, idle=_MARK_IDLE)
         # Small groups' transactions may run on the event loop (``_run_inline``).

@@ -69,7 +69,7 @@ class KillSwitch:
         self.remind_every = remind_every
         self._clock = clock
         self._causes: dict[str, tuple[float, str]] = {}  # cause -> (opened at, last error)
-        self._reminded = 0.0
+        self._reminder: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self._closed.set()
         for cause in ("store", "server"):
@@ -91,24 +91,21 @@ class KillSwitch:
         await self._closed.wait()
 
     def open(self, cause: str, error: BaseException | str) -> None:
-        """``cause`` failed for a reason not the message's: open (one ERROR line), or
-        remind that it still is (at most once every ``remind_every`` seconds)."""
+        """``cause`` failed for a reason not the message's: open the switch (one ERROR
+        line; a reminder every ``remind_every`` seconds while it stays open)."""
         text = error if isinstance(error, str) else one_line(error, 300)
-        now = self._clock()
         held = self._causes.get(cause)
-        if held is None:
-            self._causes[cause] = (now, text)
-            self._closed.clear()
-            self._reminded = now
-            self.metrics.kill_switch_open.labels(cause=cause).set(1)
-            self.metrics.kill_switch_trips.labels(cause=cause).inc()
-            log.error("kill switch open: the %s is out (%s); fetching paused, held commands kept"
-                      " and retried until it answers", cause, text)  # fmt: skip
+        if held is not None:
+            self._causes[cause] = (held[0], text)  # the latest error, for the reminder
             return
-        self._causes[cause] = (held[0], text)
-        if now - self._reminded >= self.remind_every:
-            self._reminded = now
-            log.error("kill switch still open: the %s has been out for %.0fs (%s)", cause, now - held[0], text)
+        self._causes[cause] = (self._clock(), text)
+        self._closed.clear()
+        self.metrics.kill_switch_open.labels(cause=cause).set(1)
+        self.metrics.kill_switch_trips.labels(cause=cause).inc()
+        log.error("kill switch open: the %s is out (%s); fetching paused, held commands kept"
+                  " and retried until it answers", cause, text)  # fmt: skip
+        if self._reminder is None or self._reminder.done():
+            self._reminder = asyncio.get_running_loop().create_task(self._remind())
 
     def close(self, cause: str) -> None:
         """``cause`` answers again: close (one ERROR line) if it was what kept it open."""
@@ -119,6 +116,16 @@ class KillSwitch:
         log.error("kill switch closed: the %s answers again after %.1fs; work resumes", cause, self._clock() - held[0])
         if not self._causes:
             self._closed.set()
+            if self._reminder is not None:
+                self._reminder.cancel()
+                self._reminder = None
+
+    async def _remind(self) -> None:
+        while self._causes:
+            await asyncio.sleep(self.remind_every)
+            now = self._clock()
+            for cause, (since, text) in sorted(self._causes.items()):
+                log.error("kill switch still open: the %s has been out for %.0fs (%s)", cause, now - since, text)
 
     async def pause(self, attempt: int) -> None:
         """Sleep before probe ``attempt`` (1 for the first) of a held transaction."""

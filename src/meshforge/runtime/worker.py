@@ -398,6 +398,7 @@ class Worker:
         if settings.partitions and self.deliver_group:
             raise ConfigError("partitions need pull consumers: run without --push/--deliver-group")
         self._conn = conn = await connect(settings, name=f"meshforge-{'-'.join(a.name for a in self.agents)}")
+        conn.on_state.append(self._server_state)
         specs = [agent_consumer(a.name, settings) for a in self.agents]
         parted = [partition_consumers(a.name, settings) for a in self.agents] if settings.partitions else []
         # A push consumer is made by its Consumer (it needs the deliver group): streams only.
@@ -463,6 +464,13 @@ class Worker:
         """Consuming, connected, no outage: what /readyz answers (503 while NATS or the
         store is away)."""
         return self.ready.is_set() and self._connected() and not self.kill_switch.paused
+
+    def _server_state(self, state: str) -> None:
+        """The NATS connection was lost or is back: the kill switch follows it."""
+        if state == "reconnecting":
+            self.kill_switch.open("server", "the NATS connection was lost; reconnecting")
+        elif state == "connected":
+            self.kill_switch.close("server")
 
     def _connected(self) -> bool:
         return self._conn is not None and self._conn.current_state() == "connected"
