@@ -99,7 +99,7 @@ async def test_disk_full_under_sqlite_pauses_and_resumes_without_dead_letters(
     assert wrong == []
     assert switch_lines(caplog.records) == ["kill switch open", "kill switch closed"]
     lines = outage_lines(caplog.records)
-    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) <= 5, lines
+    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) == 0 and lines["ERROR"] == 2, lines
 
 
 async def test_postgresql_stopped_pauses_and_resumes_without_dead_letters(
@@ -131,7 +131,7 @@ async def test_postgresql_stopped_pauses_and_resumes_without_dead_letters(
     assert wrong == []
     assert switch_lines(caplog.records) == ["kill switch open", "kill switch closed"]
     lines = outage_lines(caplog.records)
-    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) <= 5, lines
+    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) == 0 and lines["ERROR"] == 2, lines
 
 
 async def test_read_only_store_pauses_and_resumes_without_dead_letters(
@@ -163,7 +163,7 @@ async def test_read_only_store_pauses_and_resumes_without_dead_letters(
     assert wrong == []
     assert switch_lines(caplog.records) == ["kill switch open", "kill switch closed"]
     lines = outage_lines(caplog.records)
-    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) <= 5, lines
+    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) == 0 and lines["ERROR"] == 2, lines
 
 
 async def test_nats_server_killed_pauses_and_resumes_without_dead_letters(
@@ -194,4 +194,4 @@ async def test_nats_server_killed_pauses_and_resumes_without_dead_letters(
     opened = switch_lines(caplog.records)
     assert opened[:2] == ["kill switch open", "kill switch closed"] and len(opened) <= 4, opened
     lines = outage_lines(caplog.records)
-    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) <= 40, lines
+    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) <= 10 and lines.get("ERROR", 0) <= 4, lines
