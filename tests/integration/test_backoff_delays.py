@@ -3,12 +3,21 @@ server adds ``BackOff[n-1] - AckWait`` to a delayed nak, which the acker takes o
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import ClassVar
 
 import msgspec
-from test_engine_support import consumer_idle, dead_letters_of, open_conn, running, send, settings_for, wait_until
+from test_engine_support import (
+    consumer_idle,
+    dead_letters_of,
+    open_conn,
+    running,
+    send,
+    settings_for,
+    wait_until,
+)
 
 from meshforge.ack import Acker
 from meshforge.envelope import Envelope
@@ -52,7 +61,7 @@ async def test_redeliveries_come_after_the_configured_backoff(nats_url: str, sql
     finally:
         await conn.close()
     at: list[float] = agent.at  # type: ignore[attr-defined]
-    gaps = [b - a for a, b in zip(at, at[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(at)]
     assert len(gaps) == len(BACKOFF), gaps
     for gap, wanted in zip(gaps, BACKOFF, strict=True):
         assert wanted - 0.05 <= gap <= wanted + 0.5, f"gaps {[round(g, 2) for g in gaps]}, configured {BACKOFF}"

@@ -46,7 +46,14 @@ from meshforge.decisions import (
     decide,
 )
 from meshforge.envelope import H_MSG_ID, Envelope
-from meshforge.errors import HandlerTimeout, InvalidSubject, PublishError, StoreError, Unrecoverable, one_line
+from meshforge.errors import (
+    HandlerTimeout,
+    InvalidSubject,
+    PublishError,
+    StoreError,
+    Unrecoverable,
+    one_line,
+)
 from meshforge.faults import crash_point
 from meshforge.observability import Metrics
 from meshforge.publisher import Publisher

@@ -418,14 +418,13 @@ class Worker:
         for spec in consumed:
             self.metrics.prepare_consumer(spec.durable, REASONS)
         for index, (agent, spec) in enumerate(zip(self.agents, specs, strict=True)):
-            engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics,
-                            kill_switch=self.kill_switch)  # fmt: skip
+            switch = self.kill_switch
+            engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics, kill_switch=switch)
             self._engines.append(engine)
             if kv is not None:
                 group = parted[index]
                 lanes = [engine] + [
-                    Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics,
-                           kill_switch=self.kill_switch)  # fmt: skip
+                    Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics, kill_switch=switch)
                     for _ in range(min(LANES, len(group)) - 1)
                 ]
                 self._engines += lanes[1:]
