@@ -48,6 +48,12 @@ def commands(agent: str, n: int, pad: int = 0) -> list[tuple[str, Envelope]]:
     ]  # fmt: skip
 
 
+def redeliveries(worker: Worker, agent: str) -> float:
+    """Deliveries of the agent's commands past their first, as the worker counted them."""
+    value = worker.metrics.registry.get_sample_value("meshforge_redeliveries_total", {"consumer": f"{agent}_consumer"})
+    return value or 0.0
+
+
 def outlasts(settings: Settings) -> float:
     """An outage longer than every delivery the settings allow a command, delays included
     (the server's doubling of nak delays too): on the old code all of them were used up."""
@@ -101,6 +107,7 @@ async def test_disk_full_under_sqlite_pauses_and_resumes_without_dead_letters(
                 back = time.monotonic()
                 await all_applied_once(conn, agent.name, [e.id for _, e in first + rest])
                 resumed = time.monotonic() - back
+                assert redeliveries(worker, agent.name) == 0  # held, not handed back: no delivery counted
                 await wait_until(lambda: worker.is_ready(), within=10, what="/readyz true again")
         finally:
             store.close()
@@ -136,6 +143,7 @@ async def test_postgresql_stopped_pauses_and_resumes_without_dead_letters(
             back = time.monotonic()
             await all_applied_once(conn, agent.name, [e.id for _, e in first + rest])
             resumed = time.monotonic() - back
+            assert redeliveries(worker, agent.name) == 0  # held, not handed back: no delivery counted
             await wait_until(lambda: worker.is_ready(), within=10, what="/readyz true again")
     finally:
         store.close()
@@ -173,6 +181,7 @@ async def test_read_only_store_pauses_and_resumes_without_dead_letters(
             back = time.monotonic()
             await all_applied_once(conn, agent.name, [e.id for _, e in first + rest])
             resumed = time.monotonic() - back
+            assert redeliveries(worker, agent.name) == 0  # held, not handed back: no delivery counted
     finally:
         store.close()
         await conn.close()
