@@ -120,6 +120,12 @@ class KillSwitch:
                 self._reminder.cancel()
                 self._reminder = None
 
+    def stop(self) -> None:
+        """No more reminders (the worker is stopping, the switch may still be open)."""
+        if self._reminder is not None:
+            self._reminder.cancel()
+            self._reminder = None
+
     async def _remind(self) -> None:
         while self._causes:
             await asyncio.sleep(self.remind_every)

@@ -362,6 +362,7 @@ class Worker:
                     raise result
         finally:
             stop.cancel()
+            self.kill_switch.stop()
             if retention is not None:
                 retention.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
