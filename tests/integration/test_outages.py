@@ -8,9 +8,11 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from nats.js.api import DiscardPolicy
 from outage_support import (
     PrivatePostgres,
     all_applied_once,
@@ -35,6 +37,7 @@ from meshforge.connection import Connection
 from meshforge.envelope import Envelope
 from meshforge.runtime.worker import Worker
 from meshforge.server import EmbeddedServer
+from meshforge.subjects import STREAM_EVENTS
 
 # The settings of every outage here: short, so an outage of a few seconds outlasts them.
 ACK_WAIT, BACKOFF, MAX_DELIVER = 2.0, (0.2, 0.4, 0.6), 4
@@ -227,3 +230,38 @@ async def test_nats_server_killed_pauses_and_resumes_without_dead_letters(
     assert opened[:2] == ["kill switch open", "kill switch closed"] and len(opened) <= 4, opened
     lines = outage_lines(caplog.records)
     assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) <= 10 and lines.get("ERROR", 0) <= 4, lines
+
+
+async def test_publishing_refused_for_every_output_pauses_and_resumes_without_dead_letters(
+    private_server: EmbeddedServer, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The events stream full (discard new): every publish fails, whatever the command."""
+    caplog.set_level(logging.INFO, logger="meshforge")
+    agent = blob_agent()
+    settings = settings_for(private_server.url, sqlite_url, ack_wait=ACK_WAIT, backoff=BACKOFF,
+                            max_deliver=MAX_DELIVER, publish_attempts=2, publish_backoff_cap=0.2)  # fmt: skip
+    conn = await open_conn(settings)
+    try:
+        async with running([agent], settings) as worker:
+            first = commands(agent.name, 5)
+            await send_many(conn, first)
+            await all_applied_once(conn, agent.name, [e.id for _, e in first])
+            info = await conn.js.stream_info(STREAM_EVENTS)
+            full = replace(info.config, discard=DiscardPolicy.NEW, max_msgs=info.state.messages)
+            await conn.js.update_stream(full)
+            rest = commands(agent.name, 20)
+            await send_many(conn, rest)
+            wrong = await hold_open(worker, outlasts(settings))
+            await conn.js.update_stream(replace(full, max_msgs=-1))
+            back = time.monotonic()
+            await all_applied_once(conn, agent.name, [e.id for _, e in first + rest])
+            resumed = time.monotonic() - back
+            assert redeliveries(worker, agent.name) == 0  # held, not handed back: no delivery counted
+    finally:
+        await conn.close()
+    assert wrong == []
+    print(f"resumed {resumed:.1f}s after the outage ended")
+    assert resumed < 15, f"resumed {resumed:.1f}s after the outage ended"
+    assert switch_lines(caplog.records) == ["kill switch open", "kill switch closed"]
+    lines = outage_lines(caplog.records)
+    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) == 0 and lines["ERROR"] == 2, lines
