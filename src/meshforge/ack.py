@@ -49,6 +49,8 @@ log = logging.getLogger("meshforge.consumer")
 
 _REFUSED_AT_ADMISSION = frozenset({REASON_MALFORMED, REASON_REJECTED})
 
+# A delayed nak must say some delay: 0 would be a plain nak (redelivered at once).
+_LEAST_DELAY = 0.001
 #: Nak delay when a dead letter could not be published and there is no backoff schedule.
 DEAD_LETTER_RETRY_DELAY = 1.0
 
@@ -65,9 +67,12 @@ class Acker:
         backoff: Sequence[float] = (),
         ack_sync: bool = False,
         ack_timeout: float = 5.0,
+        server_wait: tuple[float, tuple[float, ...]] = (0.0, ()),
     ) -> None:
         self.consumer = consumer
         self.backoff = tuple(backoff)
+        #: The consumer's AckWait and BackOff as the server has them (see ``nak_delay``).
+        self.server_wait = server_wait
         self.ack_sync = ack_sync
         self.ack_timeout = ack_timeout
         self._publisher = publisher
@@ -90,7 +95,7 @@ class Acker:
                 delay = decision.delay
                 if delay is None:
                     delay = backoff_delay(delivery.num_delivered, self.backoff)
-                await msg.nak(delay)
+                await msg.nak(self.nak_delay(delay, delivery.num_delivered))
                 self._naked.inc()
             elif decision.action is Action.TERM:
                 await msg.term()
@@ -167,7 +172,7 @@ class Acker:
                 delay,
                 extra={"consumer": self.consumer, "stream_seq": delivery.seq},
             )
-            await delivery.msg.nak(delay)
+            await delivery.msg.nak(self.nak_delay(delay, delivery.num_delivered))
             self._naked.inc()
             return
         self._dead.labels(consumer=self.consumer, reason=reason).inc()
@@ -187,6 +192,21 @@ class Acker:
         )
         await self._ack(delivery)
         crash_point("after_ack")
+
+    def nak_delay(self, delay: float | None, num_delivered: int) -> float | None:
+        """The delay to send for a redelivery ``delay`` seconds from now.
+
+        On a consumer with a BackOff the server redelivers a delayed nak of delivery n
+        after ``delay + BackOff[n-1] - AckWait`` (it backdates the nak by AckWait, then
+        waits the attempt's BackOff entry): the configured 1s, 5s, 10s, 30s came as gaps
+        of about 1, 9, 19 and 59 s. Sent less that difference, the gap is the one asked
+        for; a delay shorter than the difference gets the difference (never sooner).
+        """
+        ack_wait, server_backoff = self.server_wait
+        if not delay or not server_backoff:
+            return delay
+        extra = server_backoff[min(max(num_delivered, 1), len(server_backoff)) - 1] - ack_wait
+        return max(delay - extra, _LEAST_DELAY) if extra > 0 else delay
 
     def keep_alive(self, msgs: Sequence[Msg], period: float) -> KeepAlive:
         """Send ``in_progress`` for ``msgs`` every ``period`` seconds until the block ends."""

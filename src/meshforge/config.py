@@ -92,6 +92,9 @@ class Settings:
     tenant: str | None = None
     namespace: str | None = None
     shutdown_timeout: float = 30.0
+    # An async handler's time limit (a plain def cannot be interrupted): kept alive with
+    # in_progress meanwhile; an agent's ``timeout`` and ``@command(timeout=)`` override it.
+    handler_timeout: float = 300.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     inbox_retention: float = 7 * 86400.0
@@ -325,6 +328,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "tenant": _subject_token,
     "namespace": _subject_token,
     "shutdown_timeout": _duration(positive=False),
+    "handler_timeout": _duration(positive=True),
     "metrics_port": _int_between(0, 65535),
     "metrics_host": _text,
     "inbox_retention": _duration(positive=False),

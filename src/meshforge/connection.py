@@ -271,6 +271,9 @@ class Connection:
         self.reconnects = 0
         self.last_error: str | None = None
         self._js: JetStreamContext | None = None
+        self._said: str | None = None  # the error logged last while reconnecting
+        #: Called with the new state on each loss and recovery (the worker's kill switch).
+        self.on_state: list[Callable[[State], None]] = []
 
     @property
     def js(self) -> JetStreamContext:
@@ -284,16 +287,26 @@ class Connection:
         if self.state != "closed" and not self.nc.is_closed:
             self.state = "reconnecting"
             log.warning("disconnected from NATS %s; reconnecting", redact_url(self.url))
+            self._tell()
 
     async def _on_reconnected(self) -> None:
         self.state = "connected"
         self.reconnects += 1
+        self._said = None
         log.info("reconnected to NATS %s", self._server())
+        self._tell()
+
+    def _tell(self) -> None:
+        for listener in self.on_state:
+            listener(self.state)
 
     async def _on_error(self, exc: Exception) -> None:
-        self.last_error = one_line(exc, 300)
+        text = one_line(exc, 300)
+        # Each reconnect attempt fails alike while the server is away: said once.
+        repeated = self.state == "reconnecting" and text == self._said
+        self.last_error = self._said = text
         # While connecting, connect() reports the failure itself; keep the log quiet.
-        level = logging.DEBUG if self.state == "connecting" else logging.WARNING
+        level = logging.DEBUG if self.state == "connecting" or repeated else logging.WARNING
         log.log(level, "NATS error on %s: %s", redact_url(self.url), self.last_error)
 
     async def _on_closed(self) -> None:

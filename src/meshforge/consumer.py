@@ -55,7 +55,7 @@ from meshforge.middleware import (
     tracing_middleware,
 )
 from meshforge.observability import Metrics
-from meshforge.pull import PullLoop, PullSource
+from meshforge.pull import Pause, PullLoop, PullSource
 from meshforge.push import ensure_push_consumer
 
 if TYPE_CHECKING:
@@ -130,6 +130,7 @@ class Consumer:
         max_held: int | None = None,
         on_fenced: Callable[[], None] | None = None,
         on_unpinned_idle: Callable[[], Awaitable[None]] | None = None,
+        pause: Pause | None = None,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ConfigError("consumer: give exactly one of handler= or batch_handler=")
@@ -190,6 +191,8 @@ class Consumer:
         self.priority_group = (self.spec.priority_group or None) if self.spec is not None else None
         self._on_fenced = on_fenced
         self._on_unpinned_idle = on_unpinned_idle
+        #: While it says paused (an outage: the worker's kill switch) nothing is fetched.
+        self.pause = pause
         self._acker: Acker | None = None
         self.fenced = False
         #: Set before ``run`` by a worker taking a partition over: how many commands the
@@ -325,6 +328,7 @@ class Consumer:
             self._get_publisher,
             backoff=limits.wait_backoff or self.settings.backoff,
             ack_sync=self._ack_sync,
+            server_wait=(limits.ack_wait, limits.wait_backoff),
         )
         self._processor = Processor(
             self.durable,
@@ -382,6 +386,7 @@ class Consumer:
             fenced=self._pin_revoked if self.priority_group else None,
             unpinned_idle=self._on_unpinned_idle if self.priority_group else None,
             gather=_GATHER if batch else 0.0,
+            pause=self.pause,
         )
         self.ready.set()
         log.info("consumer %s/%s pulling", self.stream, self.durable)

@@ -72,6 +72,10 @@ class StoreError(MeshForgeError):
         self.retriable = retriable
 
 
+class HandlerTimeout(MeshForgeError, TimeoutError):
+    """A handler ran past its own time limit: a transient failure, retried with backoff."""
+
+
 class HandlerError(MeshForgeError):
     """Base of the errors a handler raises to choose what happens to its message."""
 

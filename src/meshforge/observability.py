@@ -162,6 +162,15 @@ class Metrics:
         self.node_epoch = Gauge("meshforge_node_epoch", "A node's current epoch.", ["site", "node"], registry=r)
         self.ready = Gauge("meshforge_ready", "1 while the process consumes and is connected to NATS.", registry=r)
         self.nats_connected = Gauge("meshforge_nats_connected", "1 while connected to NATS.", registry=r)
+        self.kill_switch_open = Gauge(
+            "meshforge_kill_switch_open",
+            "1 while an outage (of the store or the server) pauses the work, by cause.",
+            ["cause"],
+            registry=r,
+        )
+        self.kill_switch_trips = Counter(
+            "meshforge_kill_switch_trips", "Times an outage opened the kill switch, by cause.", ["cause"], registry=r
+        )
 
     @classmethod
     def default(cls) -> Metrics:

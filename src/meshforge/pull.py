@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from meshforge.faults import crash_point
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
 
-__all__ = ["FetchResult", "PullLoop", "PullSource"]
+__all__ = ["FetchResult", "Pause", "PullLoop", "PullSource"]
 
 log = logging.getLogger("meshforge.consumer")
 
@@ -333,6 +333,15 @@ class PullSource:
         return came + self._drain_local()
 
 
+class Pause(Protocol):
+    """Something that may hold fetching back (the worker's kill switch)."""
+
+    @property
+    def paused(self) -> bool: ...
+
+    async def resumed(self) -> None: ...
+
+
 class PullLoop:
     """Fetch for free capacity, dispatch, back off when idle, and recover from stalls.
 
@@ -372,8 +381,10 @@ class PullLoop:
         fenced: Callable[[], Awaitable[None]] | None = None,
         unpinned_idle: Callable[[], Awaitable[None]] | None = None,
         gather: float = 0.0,
+        pause: Pause | None = None,
     ) -> None:
         self.source = source
+        self._pause = pause
         self._gather = gather
         self._stop = stop
         self._batch_size = batch_size
@@ -394,6 +405,9 @@ class PullLoop:
         idle_since: float | None = None
         last_check = time.monotonic()
         while await self._wait_free(self._limit):
+            if self._pause is not None and self._pause.paused:
+                await self._paused()
+                continue
             free = self._limit - self._in_flight()
             started = time.monotonic()
             result = await self.source.fetch(min(self._batch_size, free), self._stop)
@@ -436,6 +450,17 @@ class PullLoop:
                         await self.rebuild(f"{pending} messages pending but fetches return none")
             await self._sleep(idle - (time.monotonic() - started))
             idle = min(idle * 2, _IDLE_MAX)
+
+    async def _paused(self) -> None:
+        """Fetch nothing while an outage holds the work (what is held is kept alive)."""
+        resumed = asyncio.ensure_future(self._pause.resumed()) if self._pause is not None else None
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({f for f in (resumed, stopped) if f is not None}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for future in (resumed, stopped):
+                if future is not None:
+                    future.cancel()
 
     async def _gather_arrivals(self) -> None:
         """After a fetch that emptied the server's queue: let what arrives while work is

@@ -104,19 +104,23 @@ class CommandSpec:
     name: str
     handler: Callable[..., HandlerResult | Awaitable[HandlerResult]]
     key: KeySpec = None
+    timeout: float | None = None
 
 
-def command(name: str, *, key: KeySpec = None) -> Callable[[F], F]:
+def command(name: str, *, key: KeySpec = None, timeout: float | None = None) -> Callable[[F], F]:
     """Declare the method as the handler of command ``name``.
 
     ``key`` says which resource (and so which state) the command is about: a payload
     field name, a function of the envelope, or None for the envelope's ``resource_id``
-    (the agent's ``resource_key`` decides).
+    (the agent's ``resource_key`` decides). ``timeout`` (seconds) bounds an ``async def``
+    handler, instead of the agent's ``timeout`` or ``handler_timeout``.
     """
     validate_token(name, "command name")
+    if timeout is not None and not timeout > 0:
+        raise ConfigError(f"command {name!r}: timeout must be positive seconds, got {timeout!r}")
 
     def mark(fn: F) -> F:
-        fn.__meshforge_command__ = CommandSpec(name, fn, key)  # type: ignore[attr-defined]
+        fn.__meshforge_command__ = CommandSpec(name, fn, key, timeout)  # type: ignore[attr-defined]
         return fn
 
     return mark
@@ -144,6 +148,8 @@ class Agent(Generic[S]):
     # True: a dead-lettered command keeps its resource's later commands waiting until an
     # operator re-drives it or releases the resource (``meshforge holds release``).
     hold_after_dead_letter: ClassVar[bool] = False
+    # Seconds an ``async def`` handler of this agent may take (None: ``handler_timeout``).
+    timeout: ClassVar[float | None] = None
     _commands: ClassVar[dict[str, CommandSpec]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -47,14 +47,22 @@ from meshforge.decisions import (
     decide,
 )
 from meshforge.envelope import H_MSG_ID, Envelope, decode, derive_id
-from meshforge.errors import InvalidSubject, PublishError, StoreError, Unrecoverable, one_line
+from meshforge.errors import (
+    HandlerTimeout,
+    InvalidSubject,
+    PublishError,
+    StoreError,
+    Unrecoverable,
+    one_line,
+)
 from meshforge.faults import crash_point
 from meshforge.observability import Metrics
 from meshforge.partitions import partitioned
 from meshforge.publisher import Publisher
-from meshforge.runtime.agent import Agent, Event, Output
+from meshforge.runtime.agent import Agent, CommandSpec, Event, Output
 from meshforge.runtime.effects import Conflict, EffectStore, Opened, Plan, Work, drive
 from meshforge.runtime.holds import Holds, Slot
+from meshforge.runtime.killswitch import KillSwitch, is_outage
 from meshforge.runtime.marks import PublishedMarks
 from meshforge.runtime.outputs import build_outputs, decode_payload, event_name
 from meshforge.runtime.stage import PublishStage
@@ -114,6 +122,7 @@ class Engine(Generic[S]):
         metrics: Metrics | None = None,
         handler_timeout: float | None = None,
         holds: Holds | None = None,
+        kill_switch: KillSwitch | None = None,
     ) -> None:
         self.agent = agent
         self.store = store
@@ -128,7 +137,11 @@ class Engine(Generic[S]):
         label.set_function(lambda: self.holds.held_now()[0])
         label = self.metrics.oldest_hold_seconds.labels(consumer=self.consumer)
         label.set_function(lambda: self.holds.held_now()[1])
-        self.handler_timeout = handler_timeout or min(self.settings.ack_wait / 2, 30.0)
+        #: Opened by an outage of the store (shared by a worker's engines and consumers).
+        self.kill_switch = kill_switch or KillSwitch(self.metrics)
+        #: An async handler's limit unless its command or agent has one: it is kept alive
+        #: with in_progress meanwhile, however it compares with the ack wait.
+        self.handler_timeout = handler_timeout or self.settings.handler_timeout
         #: Most commands one transaction takes from the batches waiting for it: under a
         #: backlog several fetches share a commit (fewer syncs, fewer pages written again).
         self.max_batch = _GROUP_BATCHES * self.settings.batch_size
@@ -150,7 +163,7 @@ class Engine(Generic[S]):
         # One transaction at a time; the publish stage keeps their order on the wire.
         self._commit = asyncio.Lock()
         self._queue: deque[_Batch] = deque()
-        self._stage = PublishStage(self.consumer, publisher)
+        self._stage = PublishStage(self.consumer, publisher, self.kill_switch)
         self._tx = EffectStore(agent, store, self.consumer, self.holds)
         self._marks = PublishedMarks(self._flush_marks, idle=_MARK_IDLE)
         # Small groups' transactions may run on the event loop (``_run_inline``).
@@ -385,18 +398,30 @@ class Engine(Generic[S]):
             return await self._split(works, exc)
 
     async def _retrying(self, works: list[Work]) -> Plan:
-        """One transaction, run again on conflicts and retriable errors; raises the others."""
-        for attempt in range(1, _BATCH_ATTEMPTS + 1):
+        """One transaction, run again on conflicts and retriable errors; raises the others.
+        An outage of the store holds it (kept alive) and probes until the store answers."""
+        attempt = probes = 0
+        while attempt < _BATCH_ATTEMPTS:
             try:
-                return await self._run(works)
+                plan = await self._run(works)
             except Conflict:
                 log.info("%s: another worker stored an effect of this batch; running it again", self.consumer)
             except StoreError as exc:
+                if is_outage(exc):  # not these commands' fault: never count it against them
+                    self._reset(works)
+                    self.kill_switch.open("store", exc)
+                    probes += 1
+                    await self.kill_switch.pause(probes)
+                    continue
                 if not exc.retriable:
                     raise
-                if attempt == _BATCH_ATTEMPTS:
+                if attempt == _BATCH_ATTEMPTS - 1:
                     log.warning("%s: store failed, batch will be redelivered: %s", self.consumer, exc)
                     return self._nak_all(works)
+            else:
+                self.kill_switch.close("store")
+                return plan
+            attempt += 1
             self._reset(works)
         return self._nak_all(works)
 
@@ -574,8 +599,15 @@ class Engine(Generic[S]):
                     # Never suspends, so a timer could not interrupt it: spare one per command.
                     outputs = await agent.handle(work.spec, work.env, states[slot])
                 else:
-                    async with asyncio.timeout(self.handler_timeout):
-                        outputs = await agent.handle(work.spec, work.env, states[slot])
+                    limit = work.spec.timeout or agent.timeout or self.handler_timeout
+                    timer = asyncio.timeout(limit)
+                    try:
+                        async with timer:
+                            outputs = await agent.handle(work.spec, work.env, states[slot])
+                    except TimeoutError:
+                        if not timer.expired():
+                            raise  # the handler's own
+                        raise self._timed_out(work.spec, limit) from None
                 new_state, work.outputs, work.events = build_outputs(
                     agent, work.env, work.resource, d.subject, outputs, states[slot],
                     self.settings.partitions, work.scope,
@@ -594,6 +626,19 @@ class Engine(Generic[S]):
             stored[(work.scope, work.env.key)] = work.outputs  # a later duplicate re-publishes
             plan.done.append(work)
         return plan
+
+    def _timed_out(self, spec: CommandSpec, limit: float) -> HandlerTimeout:
+        """Which timeout fired, and how to raise it."""
+        if spec.timeout:
+            where = f"@command({spec.name!r}, timeout=...)"
+        elif self.agent.timeout:
+            where = f"{type(self.agent).__name__}.timeout"
+        else:
+            where = "handler_timeout (MESHFORGE_HANDLER_TIMEOUT)"
+        return HandlerTimeout(
+            f"handler {self.agent.name}.{spec.name} timed out after {limit:g}s, the limit of {where};"
+            " raise it there if the handler needs longer"
+        )
 
     @staticmethod
     def _check_sizes(outputs: list[StoredOutput], limits: SizeLimits) -> None:
@@ -642,8 +687,6 @@ class Engine(Generic[S]):
     def _failure(self, delivery: Delivery, exc: BaseException, attempts: int) -> Decision:
         """The decision for a command whose handler (or key) failed with ``exc`` on its
         ``attempts``-th attempt (held deliveries are not attempts)."""
-        if isinstance(exc, TimeoutError):
-            exc = TimeoutError(f"handler timed out after {self.handler_timeout:g}s")
         decision = decide(
             exc,
             attempts,

@@ -23,21 +23,27 @@ from collections.abc import Callable, Sequence
 from meshforge.errors import PublishError
 from meshforge.faults import crash_point
 from meshforge.publisher import Message, Publisher
+from meshforge.runtime.killswitch import KillSwitch
 
 __all__ = ["PublishStage"]
 
 log = logging.getLogger("meshforge.engine")
 
 _SPLIT_AT = 8  # outputs in a group from which it is published in two halves
+# PublishError kinds that are the server's state (away, slow, its storage failing), not the message's.
+_SERVER_OUTAGES = frozenset({"connection", "timeout", "unavailable", "store_failed"})
 
 
 class PublishStage:
     """A FIFO of publish jobs, one per committed group. Its items are the engine's outputs,
 each checked against the publisher's size limits before it was stored."""
 
-    def __init__(self, consumer: str, publisher: Publisher) -> None:
+    def __init__(self, consumer: str, publisher: Publisher, kill_switch: KillSwitch | None = None) -> None:
         self.consumer = consumer
         self.publisher = publisher
+        #: Given one, a job the server cannot take (it is away, or fails every publish)
+        #: waits for it with the switch open instead of failing its commands.
+        self.kill_switch = kill_switch
         self._tail: asyncio.Future[None] | None = None
 
     @property
@@ -101,12 +107,22 @@ each checked against the publisher's size limits before it was stored."""
         # crash suite's view of a group caught half published.
         half = len(items) // 2 if len(items) >= _SPLIT_AT else len(items)
         # The engine measured every output against the limits before storing it.
-        try:
-            await self.publisher.publish_many(items[:half], checked=True)
-            crash_point("after_partial_publish")
-            if items[half:]:
-                await self.publisher.publish_many(items[half:], checked=True)
-        except PublishError as exc:
-            log.warning("%s: publishing outputs failed, batch will be redelivered: %s", self.consumer, exc)
-            return False
-        return True
+        probes = 0
+        while True:
+            try:
+                await self.publisher.publish_many(items[:half], checked=True)
+                crash_point("after_partial_publish")
+                if items[half:]:
+                    await self.publisher.publish_many(items[half:], checked=True)
+            except PublishError as exc:
+                if self.kill_switch is None or exc.kind not in _SERVER_OUTAGES:
+                    log.warning("%s: publishing outputs failed, batch will be redelivered: %s", self.consumer, exc)
+                    return False
+                # Every output would fail alike: hold them (sent again, deduplicated, later).
+                self.kill_switch.open("server", exc)
+                probes += 1
+                await self.kill_switch.pause(probes)
+                continue
+            if self.kill_switch is not None:
+                self.kill_switch.close("server")
+            return True

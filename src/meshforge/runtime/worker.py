@@ -47,6 +47,7 @@ from meshforge.retention import store_retention
 from meshforge.runtime.agent import Agent
 from meshforge.runtime.engine import Engine, consumer_name
 from meshforge.runtime.holds import Holds, seed_from_stream, stream_has
+from meshforge.runtime.killswitch import KillSwitch
 from meshforge.store import open_store
 from meshforge.store.base import Store
 from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
@@ -187,7 +188,7 @@ class _Partitions:
             self.conn, spec, batch_handler=engine.handle, settings=self.settings,
             metrics=self.metrics, publisher=self.publisher, provision=False,
             batch_size=engine.fetch_size, max_held=engine.max_held, max_deliver=None,
-            on_fenced=fenced, on_unpinned_idle=unpinned_idle,
+            on_fenced=fenced, on_unpinned_idle=unpinned_idle, pause=engine.kill_switch,
         )  # fmt: skip
         self.consumers[slot] = consumer
         self.tasks[slot] = asyncio.create_task(self._run(slot, consumer, clean))
@@ -318,6 +319,8 @@ class Worker:
         self._conn: Connection | None = None
         self._endpoint: HttpEndpoint | None = None
         self._probes: asyncio.Task[None] | None = None
+        #: Open while an outage (of the store) pauses the work: /readyz says 503 meanwhile.
+        self.kill_switch = KillSwitch(self.metrics)
         self.metrics.track(self.is_ready, self._connected)
 
     async def run(self) -> None:
@@ -375,6 +378,7 @@ class Worker:
                     raise result
         finally:
             stop.cancel()
+            self.kill_switch.stop()
             if retention is not None:
                 retention.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -411,6 +415,7 @@ class Worker:
         if settings.partitions and self.deliver_group:
             raise ConfigError("partitions need pull consumers: run without --push/--deliver-group")
         self._conn = conn = await connect(settings, name=f"meshforge-{'-'.join(a.name for a in self.agents)}")
+        conn.on_state.append(self._server_state)
         specs = [agent_consumer(a.name, settings) for a in self.agents]
         parted = [partition_consumers(a.name, settings) for a in self.agents] if settings.partitions else []
         # A push consumer is made by its Consumer (it needs the deliver group): streams only.
@@ -431,12 +436,15 @@ class Worker:
             self.metrics.prepare_consumer(spec.durable, REASONS)
         for index, (agent, spec) in enumerate(zip(self.agents, specs, strict=True)):
             holds = Holds(consumer_name(agent.name), present=partial(stream_has, conn.js, STREAM_COMMANDS))
-            engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics, holds=holds)
+            switch = self.kill_switch
+            engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics,
+                            holds=holds, kill_switch=switch)  # fmt: skip
             self._engines.append(engine)
             if kv is not None:
                 group = parted[index]
                 lanes = [engine] + [
-                    Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics, holds=holds)
+                    Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics,
+                           holds=holds, kill_switch=switch)
                     for _ in range(min(LANES, len(group)) - 1)
                 ]
                 self._engines += lanes[1:]
@@ -461,6 +469,7 @@ class Worker:
                     conn, spec, batch_handler=engine.handle, settings=settings,
                     metrics=self.metrics, publisher=publisher, provision=False,
                     batch_size=engine.fetch_size, max_held=engine.max_held, max_deliver=None,
+                    pause=self.kill_switch,
                 )  # fmt: skip
                 if _reads_commands(settings):
                     await seed_from_stream(holds, conn.js, spec, engine.slot_of)
@@ -474,8 +483,16 @@ class Worker:
         return self._endpoint
 
     def is_ready(self) -> bool:
-        """Consuming and connected: what /readyz answers (503 while NATS is away)."""
-        return self.ready.is_set() and self._connected()
+        """Consuming, connected, no outage: what /readyz answers (503 while NATS or the
+        store is away)."""
+        return self.ready.is_set() and self._connected() and not self.kill_switch.paused
+
+    def _server_state(self, state: str) -> None:
+        """The NATS connection was lost or is back: the kill switch follows it."""
+        if state == "reconnecting":
+            self.kill_switch.open("server", "the NATS connection was lost; reconnecting")
+        elif state == "connected":
+            self.kill_switch.close("server")
 
     def _connected(self) -> bool:
         return self._conn is not None and self._conn.current_state() == "connected"

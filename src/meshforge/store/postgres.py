@@ -67,6 +67,10 @@ _RESOURCE_LOCK = 0x4D47
 _CONNECT_TIMEOUT = 10
 
 
+# A server's state, never the data's (disk full and the like are OperationalError already).
+_OUTAGES = pg_errors.ReadOnlySqlTransaction
+
+
 def _to_store_error(exc: Exception) -> StoreError:
     text = f"postgresql store: {one_line(exc)}"
     if isinstance(exc, pg_errors.UniqueViolation):
@@ -77,7 +81,8 @@ def _to_store_error(exc: Exception) -> StoreError:
         return StoreError(text, kind="conflict", retriable=True)
     if isinstance(exc, pg_errors.LockNotAvailable):
         return StoreError(text, kind="busy", retriable=True)
-    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError | _OUTAGES):
+        # Down, unreachable, disk full, read-only (a standby): the worker's kill switch waits.
         return StoreError(text, kind="unavailable", retriable=True)
     if isinstance(exc, psycopg.DataError):
         # NUL in text, a bad encoding, a number out of range: this data can never be stored.

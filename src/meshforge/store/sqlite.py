@@ -52,6 +52,11 @@ _CHECKPOINT_EVERY, _CHECKPOINT_SOON = 0.2, 0.02
 _CATCH_UP = 8
 
 
+# Result codes (and their extended forms) that say the database cannot be written now:
+# disk full, read-only file or mount, I/O errors, a file that cannot be opened.
+_OUTAGES = ("SQLITE_FULL", "SQLITE_READONLY", "SQLITE_IOERR", "SQLITE_CANTOPEN")
+
+
 class _WouldWait(Exception):
     """A transaction asked for without waiting could not begin at once."""
 
@@ -65,6 +70,9 @@ def _to_store_error(exc: Exception) -> StoreError:
         return StoreError(text, kind="busy", retriable=True)
     if isinstance(exc, sqlite3.DataError):
         return StoreError(text, kind="invalid")  # e.g. a string or blob too big
+    if getattr(exc, "sqlite_errorname", "").startswith(_OUTAGES):
+        # The disk or the file, not the data: the worker's kill switch waits for it.
+        return StoreError(text, kind="unavailable", retriable=True)
     return StoreError(text)
 
 
