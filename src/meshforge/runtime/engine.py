@@ -264,8 +264,11 @@ class Engine(Generic[S]):
         """The works that may run now; the others (an earlier command of their resource is
         still to be applied) are nak'ed to come back after it, their held delivery counted."""
         if not self._holds_loaded or self.holds.stale():
-            await self._in_thread(self.store.run, self.holds.load)
-            self._holds_loaded = True
+            try:
+                await self._in_thread(self.store.run, self.holds.load)
+                self._holds_loaded = True
+            except StoreError as exc:  # an outage: the group's own transaction meets it too
+                log.debug("%s: held-delivery counts not read: %s", self.consumer, one_line(exc))
         if self.holds.quiet(works):
             return works
         await self.holds.recheck(works)
