@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from typer._click.exceptions import ClickException  # typer's own copy of click
-from typer.exceptions import Exit
 from sybil import Document, Example, Region
 from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer, RawFencedCodeBlockLexer
+from typer._click.exceptions import ClickException  # typer's own copy of click
+from typer.exceptions import Exit
 from typer.main import get_command
 
 from meshforge.cli import app
@@ -315,12 +315,11 @@ def run_session(source: str, session: Session) -> str | None:
     for command, shown in steps(source):
         if command.rstrip().endswith("&"):
             log = (session.directory / f"background-{len(session.background)}.log").open("wb")
-            session.background.append(
-                subprocess.Popen(
-                    ["bash", "-c", command.rstrip()[:-1]], cwd=session.directory, env=session.env(),
-                    stdout=log, stderr=subprocess.STDOUT,
-                )  # fmt: skip
-            )
+            proc = subprocess.Popen(
+                ["bash", "-c", command.rstrip()[:-1]], cwd=session.directory, env=session.env(),
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            session.background.append(proc)
             if shown:
                 return f"`{command}` runs in the background: show its output with a later command"
             continue
