@@ -12,7 +12,12 @@ What each fenced block is, and what happens to it:
   ``&`` runs in the background until the document ends.
 - ``bash`` / ``sh``: instructions, often for other machines: every ``meshforge`` command
   in them is parsed by the real command line (options, arguments, values), not run.
-- anything else (``text``, ``json``, ``toml``, ``sql``, ``hcl``, diagrams): not an example.
+- a block whose first line names a file (``# test_orders.py``, ``# pytest.ini``,
+  ``# check.py``) is that file, written in the document's directory: ``ini`` files stay
+  there for later blocks; ``test_*.py`` runs with pytest (passing, with no warnings); other
+  ``.py`` files run with python. A ``toml`` block named ``# meshforge.toml`` must load as
+  settings.
+- anything else (``text``, ``json``, ``sql``, ``hcl``, diagrams): not an example.
 
 A marker in an HTML comment right before a block changes that, visibly in the source:
 
@@ -141,8 +146,16 @@ def _marker(arguments: str) -> tuple[str, str]:
     return mode, reason.strip()
 
 
+_FILE_NAME = re.compile(r"# ([\w.-]+\.(?:py|ini|toml))\n")
+
+
 def block_kind(language: str, source: str) -> str | None:
-    """``python``, ``session``, ``commands`` or None (not an example)."""
+    """``python``, ``session``, ``commands``, ``file`` or None (not an example)."""
+    named = _FILE_NAME.match(source)
+    if named and (language, named.group(1).rsplit(".", 1)[1]) in (("python", "py"), ("ini", "ini")):
+        return "file"
+    if language == "toml" and named and named.group(1) == "meshforge.toml":
+        return "settings"
     if language == "python":
         return "python"
     if language == "console" or (not language and source.startswith("$ ")):
@@ -165,6 +178,10 @@ def _run_block(example: Example) -> str | None:
         return None
     if mode is not None and mode[0] == "new-session":
         session.restart()
+    if kind == "file":
+        return run_file(source, session)
+    if kind == "settings":
+        return check_settings(source, session)
     if kind == "python":
         return check_fragment(source) if mode and mode[0] == "fragment" else run_python(source, session)
     if kind == "commands" or (mode and mode[0] == "parse-only"):
@@ -184,6 +201,38 @@ def run_python(source: str, session: Session) -> str | None:
     )  # fmt: skip
     if done.returncode != 0:
         return f"the Python block failed (exit {done.returncode}):\n{done.stdout}{done.stderr}"
+    return None
+
+
+def run_file(source: str, session: Session) -> str | None:
+    """Write the named file; run a test file with pytest, a program with python."""
+    name = _FILE_NAME.match(source).group(1)  # type: ignore[union-attr]  # block_kind matched it
+    (session.directory / name).write_text(source)
+    if name.endswith(".ini"):
+        return None
+    env = session.env() | {"MESHFORGE_NATS_URL": session.url()}
+    tests = name.startswith("test_")
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name] if tests else [sys.executable, name]
+    done = subprocess.run(
+        argv, cwd=session.directory, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT
+    )
+    summary = done.stdout.strip().splitlines()[-1:] if tests else []
+    if done.returncode != 0 or any("warning" in line for line in summary):
+        return f"`{shlex.join(argv[1:])}` (exit {done.returncode}):\n{done.stdout}{done.stderr}"
+    return None
+
+
+def check_settings(source: str, session: Session) -> str | None:
+    """A ``meshforge.toml`` shown in a document loads as settings."""
+    from meshforge.config import load_settings
+    from meshforge.errors import ConfigError
+
+    path = session.directory / "shown-meshforge.toml"
+    path.write_text(source)
+    try:
+        load_settings(env={}, config_file=path)
+    except ConfigError as exc:
+        return f"the meshforge.toml shown does not load: {exc}"
     return None
 
 
