@@ -391,17 +391,13 @@ def run_session(source: str, session: Session) -> str | None:
     return None
 
 
-def evaluate(document: Document, session: Session) -> list[str]:
+def evaluate(document: Document, session: Session, root: Path = ROOT) -> list[str]:
     """Every example of the document, in order; the failures, each naming its line."""
     document.namespace["session"] = session
     failures: list[str] = []
     for example in document:
         result = example.region.evaluator(example) if example.region.evaluator else None
         if result:
-            failures.append(f"{Path(example.path).relative_to(ROOT)}:{example.line}: {result}")
+            failures.append(f"{Path(example.path).relative_to(root)}:{example.line}: {result}")
     return failures
 
-
-def examples_of(path: Path) -> list[Any]:
-    """The (kind, source) of each example block of a document, markers applied."""
-    return [example.parsed for example in parse(path) if example.region.evaluator is _run_block]
