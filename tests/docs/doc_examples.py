@@ -9,7 +9,8 @@ What each fenced block is, and what happens to it:
   document, with its own embedded nats-server announced there, as `meshforge server`
   does); the lines shown under it are compared with what it printed (stdout and stderr),
   ids, times, hashes and ports masked, ``...`` matching anything. A command ending in
-  ``&`` runs in the background until the document ends.
+  ``&`` runs in the background until the document ends; ``kill -INT %1`` signals the
+  first of them and waits for it to end, as in an interactive shell (Ctrl-C).
 - ``bash`` / ``sh``: instructions, often for other machines: every ``meshforge`` command
   in them is parsed by the real command line (options, arguments, values), not run.
 - a block whose first line names a file (``# test_orders.py``, ``# pytest.ini``,
@@ -43,6 +44,7 @@ import importlib
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -115,11 +117,11 @@ class Session:
     def close(self) -> None:
         for proc in self.background:
             if proc.poll() is None:
-                proc.terminate()
+                os.killpg(proc.pid, signal.SIGTERM)
                 try:
                     proc.wait(10)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
         self._servers.close()
 
@@ -359,6 +361,22 @@ def matches(shown: str, got: str) -> bool:
     return _CHECKER.check_output(mask(want) + "\n", mask(got) + "\n", _FLAGS)
 
 
+_JOB = re.compile(r"kill(?: -(?:SIG)?([A-Z]+))? %(\d+)$")
+
+
+def stop_job(session: Session, signame: str, number: int) -> str | None:
+    """``kill -SIG %N``: signal the session's N-th background command and wait for its end."""
+    if not 0 < number <= len(session.background):
+        return f"kill %{number}: there are {len(session.background)} background command(s)"
+    proc = session.background[number - 1]
+    os.killpg(proc.pid, getattr(signal, f"SIG{signame}"))  # its group: bash and what it started
+    try:
+        proc.wait(COMMAND_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return f"kill -{signame} %{number}: still running after {COMMAND_TIMEOUT:g}s"
+    return None
+
+
 def run_session(source: str, session: Session) -> str | None:
     session.url()  # announced in the directory: commands there find it, as after `meshforge server`
     for command, shown in steps(source):
@@ -366,11 +384,17 @@ def run_session(source: str, session: Session) -> str | None:
             log = (session.directory / f"background-{len(session.background)}.log").open("wb")
             proc = subprocess.Popen(
                 ["bash", "-c", command.rstrip()[:-1]], cwd=session.directory, env=session.env(),
-                stdout=log, stderr=subprocess.STDOUT,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
             session.background.append(proc)
             if shown:
                 return f"`{command}` runs in the background: show its output with a later command"
+            continue
+        job = _JOB.match(command.strip())
+        if job:
+            error = stop_job(session, job.group(1) or "TERM", int(job.group(2)))
+            if error:
+                return error
             continue
         deadline = time.monotonic() + (READ_PATIENCE if READS.match(command) and shown else 0)
         while True:
@@ -381,12 +405,14 @@ def run_session(source: str, session: Session) -> str | None:
             got = done.stdout.decode(errors="backslashreplace").rstrip("\n")
             if not shown or matches(shown, got) or time.monotonic() > deadline:
                 break
-        if done.returncode not in (0, 1) or (shown and not matches(shown, got)):
+        # What is shown must be what it printed (then a failure shown is expected); with
+        # nothing shown, it must succeed.
+        if shown and not matches(shown, got):
             return (
                 f"`{command}` (exit {done.returncode}) printed:\n{got}\n"
                 f"--- the document shows:\n{shown}"
             )
-        if done.returncode != 0 and not shown.lstrip().startswith("error:"):
+        if not shown and done.returncode != 0:
             return f"`{command}` failed (exit {done.returncode}):\n{got}"
     return None
 
