@@ -67,7 +67,7 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MODES = ("skip", "parse-only", "fragment", "new-session")
 #: Commands that only read: shown output they do not print yet is waited for (a person
 #: would run them again), up to READ_PATIENCE seconds; other commands run once.
-READS = re.compile(r"^(meshforge (dlq (ls|show)|events|ctl (status|reply|nodes))|cat) ")
+READS = re.compile(r"^(meshforge (dlq (ls|show)|events|ctl (status|reply|nodes))|cat|grep|tail) ")
 READ_PATIENCE = 20.0
 COMMAND_TIMEOUT = 90.0
 
