@@ -90,3 +90,16 @@ async def test_tail_follows_new_events_until_count(private_server: EmbeddedServe
     assert proc.returncode == 0, err
     lines = out.decode().splitlines()
     assert len(lines) == 2 and '{"n": 0}' not in lines[0]
+
+
+def test_tail_says_in_one_line_what_it_cannot_read(private_server: EmbeddedServer) -> None:
+    url = private_server.url
+    out = CliRunner().invoke(app, ["events", "tail", "--no-follow", "--nats-url", url])
+    assert out.exit_code == 1 and "no stream stores 'evt.>'" in str(out.exception)
+    asyncio.run(_publish(url))  # the streams, no message
+    out = CliRunner().invoke(app, ["events", "tail", "cmd.>", "--nats-url", url])
+    assert out.exit_code == 1 and "a work queue" in str(out.exception)
+    assert "\n" not in str(out.exception)
+    assert _tail(url, "--no-follow") == []
+    out = CliRunner().invoke(app, ["events", "tail", "--since", "yesterday", "--nats-url", url])
+    assert out.exit_code == 2 and "--since" in out.output

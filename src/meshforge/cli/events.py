@@ -106,12 +106,14 @@ def tail(
 async def _tail(
     url: str, subject: str, start: Start | None, last: int, count: int | None, follow: bool, as_json: bool
 ) -> None:
+    from nats.errors import Error as NatsError
     from nats.errors import TimeoutError as NatsTimeout
     from nats.js.errors import NotFoundError
 
     from meshforge.config import load_settings
     from meshforge.connection import connect
-    from meshforge.errors import MeshForgeError
+    from meshforge.errors import MeshForgeError, one_line
+    from meshforge.topology import policy_name
 
     async with await connect(load_settings({}), url=url, name="meshforge-events") as conn:
         try:
@@ -121,14 +123,23 @@ async def _tail(
                 f"no stream stores {subject!r} (yet): `meshforge provision` creates "
                 "MeshForge's streams"
             ) from None
-        if start is None:
-            start = await _last(conn.js, stream, subject, last)
-        pending = await _pending(conn.js, stream, subject, _config(start, subject))
-        if not follow and pending <= start.skip:
-            return
-        sub = await conn.js.subscribe(
-            subject, stream=stream, ordered_consumer=True, config=_config(start, subject)
-        )
+        try:
+            info = await conn.js.stream_info(stream)
+            if policy_name(info.config.retention) == "workqueue":
+                raise MeshForgeError(
+                    f"{subject!r} is stored in {stream}, a work queue: a message leaves it once "
+                    "handled; watch what came out instead (evt.>, or failed.> for dead letters)"
+                )
+            if start is None:
+                start = await _last(conn.js, stream, subject, last)
+            pending = await _pending(conn.js, stream, subject, _config(start, subject))
+            if not follow and pending <= start.skip:
+                return
+            sub = await conn.js.subscribe(
+                subject, stream=stream, ordered_consumer=True, config=_config(start, subject)
+            )
+        except NatsError as exc:
+            raise MeshForgeError(f"events tail {subject}: {one_line(exc, 300)}") from None
         shown, skip = 0, start.skip
         try:
             while count is None or shown < count:
