@@ -94,7 +94,9 @@ class Session:
         return self.server_url
 
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHFORGE_", "PYTEST_"))}
+        # Output goes to a pipe, as `| less` would: no COLUMNS of a terminal (xdist sets one).
+        dropped = ("MESHFORGE_", "PYTEST_", "COLUMNS", "LINES")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
         shims = self.directory.parent / "bin"
         if not shims.exists():
             shims.mkdir()
@@ -103,7 +105,6 @@ class Session:
             shim.chmod(0o755)
         env["PATH"] = f"{shims}{os.pathsep}{env.get('PATH', '')}"
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-        env["COLUMNS"] = "200"  # what a wide terminal shows; tables are not folded
         env["NO_COLOR"] = "1"
         return env
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from meshforge.cli import app
@@ -60,7 +61,10 @@ def test_dlq_ls_before_provisioning_says_none_and_how_to_provision(
     assert text.startswith("no dead letters") and "meshforge provision" in text
 
 
-def test_piped_tables_are_not_cut_at_80_columns(private_server: EmbeddedServer) -> None:
+def test_piped_tables_are_not_cut_at_80_columns(
+    private_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)  # a pipe, not a terminal (xdist sets one)
     code, text = _cli("provision", "--dry-run", "--agent", "a_rather_long_agent_name_here", "--nats-url", private_server.url)
     assert code == 0, text
     line = next(row for row in text.splitlines() if "MESHFORGE_COMMANDS/a_rather" in row)
