@@ -8,8 +8,12 @@ import re
 import time
 
 import pytest
+from typer.testing import CliRunner
 
+from meshforge.cli import app
 from meshforge.demo import InventoryAgent
+from meshforge.errors import ConfigError
+from meshforge.runtime.activity import describe
 from polling import wait_until
 
 
@@ -43,3 +47,17 @@ async def test_a_busy_worker_logs_a_rate_summary_not_a_line_per_command(
     text = " ".join(r.getMessage() for r in lines)
     assert re.search(r"handled \d+ command\(s\) in \d+\.\ds \(\d+/s\): inventory ", text), text
     assert "unrecoverable)" in text and "1 duplicate" in text
+
+
+def test_the_summary_says_what_changed_and_nothing_when_nothing_did() -> None:
+    before = {"order_consumer": {"acked": 10.0, "duplicate": 1.0, "retried": 0.0, "dead:malformed": 2.0}}
+    after = {"order_consumer": {"acked": 15.0, "duplicate": 2.0, "retried": 1.0, "dead:malformed": 3.0}}
+    line = describe(before, after, 1.0, {"order_consumer": "order"})
+    assert line == "handled 5 command(s) in 1.0s (5/s): order 3 ok, 1 duplicate, 1 to retry, 1 dead-lettered (1 malformed)"
+    assert describe(after, after, 1.0, {}) is None
+
+
+def test_run_refuses_an_unknown_log_level() -> None:
+    out = CliRunner().invoke(app, ["run", "meshforge.demo:OrderAgent", "--log-level", "chatty"])
+    assert isinstance(out.exception, ConfigError)  # main() makes it exit 2 with one line
+    assert "expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'chatty'" in str(out.exception)
