@@ -298,6 +298,17 @@ def _valid_ts(value: str) -> bool:
     return True
 
 
+def undecodable(data: bytes | bytearray | memoryview, exc: BaseException) -> str:
+    """Why a body is not JSON, in one line: ``not UTF-8 at byte N`` or ``not JSON: ...``."""
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"body is not UTF-8 at byte {bad.start} (0x{bytes(data)[bad.start]:02x})"
+    if not text.strip():
+        return "body is not JSON: it is empty"
+    return f"body is not JSON: {exc} (starts {text[:40]!r})"
+
+
 def decode(
     data: bytes | bytearray | memoryview,
     headers: Mapping[str, str] | None = None,
@@ -317,7 +328,7 @@ def decode(
     try:
         obj = _JSON_DECODER.decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError, ValueError, TypeError, RecursionError) as exc:
-        raise MalformedMessage(f"body is not valid UTF-8 JSON: {exc}") from None
+        raise MalformedMessage(undecodable(data, exc)) from None
     if not isinstance(obj, dict):
         raise MalformedMessage(f"body is a JSON {type(obj).__name__}, expected an object")
     h = headers or {}

@@ -70,7 +70,9 @@ def test_any_json_object_decodes_or_raises_malformed(obj: dict[str, Any]) -> Non
 @pytest.mark.parametrize(
     ("body", "why"),
     [
-        (b"not json", "not valid UTF-8 JSON"),
+        (b"not json", r"^body is not JSON: .*invalid character \(byte 4\) \(starts 'not json'\)$"),
+        (b"", "^body is not JSON: it is empty$"),
+        (b'{"a": "\xff"}', r"^body is not UTF-8 at byte 7 \(0xff\)$"),
         (b"[1, 2]", "expected an object"),
         (b'{"payload": {}}', "lacks 'type'"),
         (b'{"type": "a.b"}', "lacks 'payload'"),

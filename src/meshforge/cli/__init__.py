@@ -52,7 +52,7 @@ def _root(
 
 # Sub-commands, each in its own module with a ``register(app)`` function.
 _COMMANDS = (
-    "init", "server", "provision", "publish", "run", "relay", "replay", "dlq", "node", "ctl",
+    "init", "server", "provision", "publish", "events", "run", "relay", "replay", "dlq", "node", "ctl",
     "pipeline", "demo", "permissions", "holds", "console",
 )  # fmt: skip
 

@@ -14,7 +14,22 @@ import typer
 from meshforge.server import DataDirLock, EmbeddedServer
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from meshforge.config import Settings
+
+#: Width of output that goes to a pipe or file: wide enough that no line is folded mid-word.
+PIPED_WIDTH = 1000
+
+
+def console() -> Console:
+    """A rich console: the terminal's width, or (piped, COLUMNS unset) no folding at 80."""
+    import sys
+
+    from rich.console import Console
+
+    wide = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
+    return Console(width=PIPED_WIDTH if wide else None)
 
 NatsUrl = Annotated[
     str | None,

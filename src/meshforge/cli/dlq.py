@@ -102,14 +102,28 @@ def ls(
 
     A reason marked "(cut)" is a truncated dead letter: `dlq show ID --original` shows it whole.
     """
-    from rich.console import Console
     from rich.table import Table
 
-    async def work(letters: DeadLetters) -> tuple[list[DeadLetter], int]:
-        return await letters.list(limit=limit, subject_filter=subject), await letters.count(subject)
+    from meshforge.cli.common import console as new_console
 
-    found, total = _run(nats_url, work)
-    console = Console()
+    async def work(letters: DeadLetters) -> tuple[list[DeadLetter], int] | None:
+        from meshforge.errors import MissingTopology
+
+        try:
+            found = await letters.list(limit=limit, subject_filter=subject)
+            return found, await letters.count(subject)
+        except MissingTopology:
+            return None  # nothing provisioned yet, so nothing was dead-lettered either
+
+    listed = _run(nats_url, work)
+    console = new_console()
+    if listed is None:
+        console.print(
+            "no dead letters (there is no MESHFORGE_FAILED stream yet: "
+            "`meshforge provision` creates it, as does any agent at start-up)"
+        )
+        return
+    found, total = listed
     if not found:
         console.print("no dead letters")
         return
@@ -156,14 +170,14 @@ def show(
 
     Any body prints: binary as escaped bytes, a long one cut at --max-bytes (saying so).
     """
-    from rich.console import Console
+    from meshforge.cli.common import console as new_console
 
     async def work(letters: DeadLetters) -> tuple[DeadLetter, Original | None]:
         letter = await letters.get(seq)
         return letter, (await letters.original(letter) if original else None)
 
     letter, whole = _run(nats_url, work)
-    console = Console()
+    console = new_console()
     if whole is None:
         console.print(Text(f"dead letter {letter.seq} on {letter.subject}"))
         headers, data = letter.headers, letter.data

@@ -202,8 +202,9 @@ def audit(
 
 
 def print_summary(findings: dict[str, object]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from meshforge.cli.common import console as new_console
 
     counts = findings.get("counts", {})
     latency = findings.get("latency_ms", {})
@@ -220,7 +221,7 @@ def print_summary(findings: dict[str, object]) -> None:
     ]  # fmt: skip
     for name, value in rows:
         table.add_row(name, "-" if value is None else str(value))
-    Console().print(table)
+    new_console().print(table)
 
 
 def replay(

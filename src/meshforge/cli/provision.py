@@ -119,13 +119,12 @@ async def _provision(
     consumers: list[ConsumerSpec],
     dry_run: bool,
 ) -> None:
-    from rich.console import Console
-
+    from meshforge.cli.common import console as new_console
     from meshforge.connection import connect
     from meshforge.provision import apply, plan
     from meshforge.subjects import STREAM_CONTROL
 
-    console = Console()
+    console = new_console()
     async with await connect(settings, url=url, name="meshforge-provision") as conn:
         planned = await plan(conn.js, streams, consumers)
         console.print(_table(planned, "plan" if dry_run else "provisioning"))

@@ -6,6 +6,9 @@ and ``payload``). For a payload alone on ``cmd.<tenant>.<ns>.<agent>.<command>``
 the subject's. With ``partitions`` set (``MESHFORGE_PARTITIONS``) a five-token command
 subject gets its partition token, by the envelope's ``resource_id`` (else its ``id``).
 Prints ``stream=... seq=... id=... duplicate=true|false`` (and ``subject=...`` when partitioned).
+
+``--raw BYTES`` (or ``--raw @FILE``) sends a body exactly as given, with no envelope and
+no headers: the way to make a malformed command on purpose, or to test another client.
 """
 
 from __future__ import annotations
@@ -33,8 +36,17 @@ def register(app: typer.Typer) -> None:
 def publish(
     subject: Annotated[str, typer.Argument(help="e.g. cmd.default.demo.order.create")],
     body: Annotated[
-        str, typer.Argument(metavar="JSON", help="The payload object, or a whole envelope.")
-    ],
+        str | None,
+        typer.Argument(metavar="[JSON]", help="The payload object, or a whole envelope."),
+    ] = None,
+    raw: Annotated[
+        str | None,
+        typer.Option(
+            "--raw",
+            metavar="BYTES|@FILE",
+            help="Send this body as is (no envelope, no headers), or a file's bytes with @FILE.",
+        ),
+    ] = None,
     key: Annotated[
         str | None,
         typer.Option("--key", help="Idempotency key: a request re-sent with it is applied once."),
@@ -42,7 +54,7 @@ def publish(
     source: Annotated[str, typer.Option("--source", help="Who produced the message.")] = "cli",
     nats_url: NatsUrl = None,
 ) -> None:
-    """Publish one command or event as an envelope and print where it was stored."""
+    """Publish one command or event as an envelope (or any body as is, with --raw)."""
     from meshforge.config import load_settings
     from meshforge.subjects import validate_subject
 
@@ -50,11 +62,23 @@ def publish(
         validate_subject(subject)
     except InvalidSubject as exc:
         raise typer.BadParameter(str(exc), param_hint="SUBJECT") from None
+    settings = load_settings({"nats_url": nats_url})
+    if raw is not None:
+        if body is not None:
+            raise typer.BadParameter("give a JSON argument or --raw, not both", param_hint="JSON")
+        if key is not None:
+            raise typer.BadParameter("--raw sends no headers, so it takes no --key")
+        data = raw_body(raw)
+        with nats_target(settings.nats_url) as url:
+            result = asyncio.run(_publish(url, settings, subject, data))
+        typer.echo(f"stream={result.stream} seq={result.seq} bytes={len(data)}")
+        return
+    if body is None:
+        raise typer.BadParameter("give the body: a JSON argument, or --raw BYTES|@FILE")
     try:
         env = build_envelope(subject, body, key=key, source=source)
     except MalformedMessage as exc:
         raise typer.BadParameter(str(exc), param_hint="JSON") from None
-    settings = load_settings({"nats_url": nats_url})
     from meshforge.partitions import partitioned
 
     subject = partitioned(subject, env, settings)
@@ -67,6 +91,19 @@ def publish(
     )
 
 
+def raw_body(value: str) -> bytes:
+    """``--raw``'s bytes: the text as UTF-8, or the named file's bytes for ``@FILE``."""
+    if not value.startswith("@"):
+        return value.encode()
+    try:
+        with open(value[1:], "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise typer.BadParameter(
+            f"cannot read {value[1:]!r}: {exc.strerror}", param_hint="--raw"
+        ) from None
+
+
 def build_envelope(subject: str, text: str, *, key: str | None, source: str) -> Envelope:
     """The envelope to send: from a whole envelope, or a payload and the subject's tokens."""
     from meshforge.envelope import Envelope, decode
@@ -74,10 +111,13 @@ def build_envelope(subject: str, text: str, *, key: str | None, source: str) -> 
     try:
         value: Any = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise MalformedMessage(f"JSON argument is not valid JSON: {exc}") from None
+        raise MalformedMessage(
+            f"JSON argument is not valid JSON: {exc} (to send it as is, use --raw)"
+        ) from None
     if not isinstance(value, dict):
         raise MalformedMessage(
-            f"JSON argument must be an object, got a JSON {type(value).__name__}"
+            f"JSON argument must be an object, got a JSON {type(value).__name__} "
+            "(to send it as is, use --raw)"
         )
     tokens = subject.split(".")
     tenant = tokens[1] if tokens[0] in ("cmd", "evt") and len(tokens) >= 5 else None
@@ -111,7 +151,9 @@ def build_envelope(subject: str, text: str, *, key: str | None, source: str) -> 
     )
 
 
-async def _publish(url: str, settings: Settings, subject: str, env: Envelope) -> PublishResult:
+async def _publish(
+    url: str, settings: Settings, subject: str, env: Envelope | bytes
+) -> PublishResult:
     from meshforge.connection import connect
     from meshforge.errors import PublishError
     from meshforge.publisher import Publisher

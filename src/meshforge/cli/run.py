@@ -50,6 +50,14 @@ def run(
     relay: Annotated[
         bool, typer.Option("--relay", help="Also publish the store's outbox (as `meshforge relay`).")
     ] = False,
+    log_level: Annotated[
+        str | None,
+        typer.Option(
+            "--log-level", metavar="LEVEL",
+            help="debug, info (a summary of what was handled, once a second at most), warning, error"
+            " (env MESHFORGE_LOG_LEVEL).",
+        ),
+    ] = None,
     partitions: Annotated[
         int | None,
         typer.Option(
@@ -68,7 +76,7 @@ def run(
 
     settings = service_settings(
         store=store, nats_url=nats_url, no_provision=no_provision, metrics_port=metrics_port,
-        metrics_host=metrics_host, partitions=partitions,
+        metrics_host=metrics_host, partitions=partitions, log_level=log_level,
     )  # fmt: skip
     if settings.partitions and push:
         raise typer.BadParameter("partitions need pull consumers: drop --push", param_hint="--partitions")

@@ -44,6 +44,7 @@ from meshforge.partitions import Leases, ensure_bucket, lease_of, open_bucket, p
 from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
 from meshforge.publisher import Publisher
 from meshforge.retention import store_retention
+from meshforge.runtime.activity import summarize
 from meshforge.runtime.agent import Agent
 from meshforge.runtime.engine import Engine, consumer_name
 from meshforge.runtime.holds import Holds, seed_from_stream, stream_has
@@ -321,6 +322,7 @@ class Worker:
         self._probes: asyncio.Task[None] | None = None
         #: Open while an outage (of the store) pauses the work: /readyz says 503 meanwhile.
         self.kill_switch = KillSwitch(self.metrics)
+        self._durables: dict[str, str] = {}  # durable -> agent, for the activity summary
         self.metrics.track(self.is_ready, self._connected)
 
     async def run(self) -> None:
@@ -333,6 +335,7 @@ class Worker:
         quick_thread_switches()
         stop = asyncio.ensure_future(self._stopping.wait())
         retention: asyncio.Task[None] | None = None
+        activity: asyncio.Task[None] | None = None
         try:
             setup = asyncio.ensure_future(self._setup())
             await asyncio.wait({setup, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -344,6 +347,7 @@ class Worker:
                 return
             setup.result()
             runs = [asyncio.create_task(c.run()) for c in self._consumers]
+            activity = asyncio.create_task(summarize(self.metrics, self._durables, self._stopping))
             # Effects and inbox rows past their retention are deleted while the worker runs.
             if self._store is not None:
                 retention = asyncio.create_task(
@@ -379,6 +383,8 @@ class Worker:
         finally:
             stop.cancel()
             self.kill_switch.stop()
+            if activity is not None:
+                activity.cancel()
             if retention is not None:
                 retention.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -432,6 +438,10 @@ class Worker:
             kv = await open_bucket(conn.js) if parted else None
         publisher = Publisher(conn.js, settings, self.metrics)
         consumed = pulled if parted else specs  # the durables this worker may consume
+        owner = {spec.durable: a.name for a, spec in zip(self.agents, specs, strict=True)}
+        for a, group in zip(self.agents, parted, strict=False):
+            owner |= {spec.durable: a.name for spec in group.values()}
+        self._durables = {spec.durable: owner.get(spec.durable, spec.durable) for spec in consumed}
         for spec in consumed:
             self.metrics.prepare_consumer(spec.durable, REASONS)
         for index, (agent, spec) in enumerate(zip(self.agents, specs, strict=True)):
