@@ -15,7 +15,7 @@ def test_the_settings_table_of_getting_started_is_made_from_the_settings() -> No
     shown = text.split(BEGIN + "\n", 1)[1].split(END, 1)[0]
     assert shown == render(), "run: python -m meshforge.settings_table --write docs/GETTING_STARTED.md"
     assert "| `max_deliver` | `MESHFORGE_MAX_DELIVER` | `5` |" in shown
-    assert "`max_deliver 6`" in shown and "`ack_wait 1s`" in shown  # what provisioning prints, explained
+    assert "`max_deliver unlimited`" in shown and "`ack_wait 1s`" in shown  # what provisioning prints, explained
 
 
 def test_a_fragment_must_compile_and_import_names_that_exist() -> None:
