@@ -229,6 +229,8 @@ class Engine(Generic[S]):
             for index, work in enumerate(works):
                 work.index = index
             plan = await self._attempt(works) if works else Plan()
+            if self.agent.hold_after_dead_letter:
+                await self._stop_behind(works, plan)
         except BaseException as exc:
             for batch in group:
                 if not batch.done.done():
@@ -236,8 +238,6 @@ class Engine(Generic[S]):
             raise
         if overlapping:
             crash_point("after_commit_while_publishing")
-        if self.agent.hold_after_dead_letter:
-            await self._stop_behind(works, plan)
         for index, decision in plan.decisions.items():
             works[index].decide(decision)
             self._settle(works[index], decision)
