@@ -1,0 +1,154 @@
+"""Sites on leaf nodes: a hub and two site servers on loopback, a job rolled out to all
+nodes, and one site's leaf link cut in the middle of it."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from control_support import runs, stored_count
+from fleet_support import Fleet, LinkProxy
+
+from meshforge.cluster import free_port
+from meshforge.config import load_settings
+from meshforge.connection import Connection, connect
+from meshforge.control.fleet import list_nodes
+from meshforge.control.jobs import JobSpec, JobStore, attempt_id
+from meshforge.control.rollout import JobController, summarize
+from meshforge.control.sites import hub_server, link_site, site_server
+from meshforge.server import EmbeddedServer
+from meshforge.subjects import STREAM_CONTROL, control_command_subject
+from polling import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+SITES = {"plantA": ["n0", "n1", "n2"], "plantB": ["n0", "n1"]}
+
+
+class Hub:
+    def __init__(self, tmp: Path) -> None:
+        self.leaf_port = free_port()
+        self.server = hub_server(tmp / "hub", leaf_port=self.leaf_port)
+        self.sites: dict[str, EmbeddedServer] = {}
+        self.links: dict[str, LinkProxy] = {}
+        self.tmp = tmp
+
+    async def add_site(self, site: str) -> EmbeddedServer:
+        link = await LinkProxy(self.leaf_port).start()
+        server = site_server(site, link.url, store_dir=self.tmp / site)
+        await asyncio.to_thread(server.start)
+        self.sites[site], self.links[site] = server, link
+
+        async def linked() -> bool:
+            try:
+                await link_site(server.url, site, timeout=1.0)
+            except Exception:  # the leaf link is still coming up
+                return False
+            return True
+
+        await wait_until(linked, 30, f"site {site} to link to the hub")
+        return server
+
+
+@pytest.fixture
+async def hub(tmp_path: Path) -> AsyncIterator[Hub]:
+    h = Hub(tmp_path)
+    await asyncio.to_thread(h.server.start)
+    try:
+        yield h
+    finally:
+        for link in h.links.values():
+            await link.cut()
+        for server in h.sites.values():
+            await asyncio.to_thread(server.close)
+        await asyncio.to_thread(h.server.close)
+
+
+async def test_a_cut_site_runs_what_it_holds_and_catches_up_when_the_link_returns(
+    hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_log = tmp_path / "runs.log"
+    monkeypatch.setenv("MESHFORGE_TEST_RUN_LOG", str(run_log))
+    for site in SITES:
+        await hub.add_site(site)
+    fleets = {
+        site: await Fleet(hub.sites[site].url, tmp_path / f"{site}-nodes").__aenter__()
+        for site in SITES
+    }
+    conn: Connection = await connect(load_settings({"nats_url": hub.server.url}), name="hub-ctl")
+    try:
+        for site, names in SITES.items():
+            for name in names[1:] if site == "plantA" else names:
+                await fleets[site].start(site, name)  # plantA.n0 comes up later, during the cut
+
+        async def all_announced() -> bool:  # presence crossed to the hub by sourcing
+            return len(await list_nodes(conn.js)) == 4
+
+        await wait_until(all_announced, 20, "the site nodes' presence to reach the hub")
+
+        store = await JobStore.open(conn.js)
+        job = f"j{uuid.uuid4().hex[:8]}"
+        order = [
+            ("plantA", "n0"),
+            ("plantB", "n0"),
+            ("plantB", "n1"),
+            ("plantA", "n1"),
+            ("plantA", "n2"),
+        ]
+        await store.create(JobSpec(job, "echo", {"fw": 7}, targets=order, rate=60))
+        controller = asyncio.create_task(JobController(conn, store, job).run())
+        site_a = await connect(load_settings({"nats_url": hub.sites["plantA"].url}), name="site-a")
+        try:
+            held = control_command_subject("plantA", "n0")
+
+            async def at_site() -> bool:
+                return await stored_count(site_a.js, STREAM_CONTROL, held) == 1
+
+            await wait_until(at_site, 10, "plantA.n0's command to reach its site")
+            await hub.links["plantA"].cut()
+
+            # While cut: the command already at the site runs; plantB is not held up.
+            await fleets["plantA"].start("plantA", "n0")
+            ran_a0 = attempt_id(job, "plantA", "n0", 1)
+            await wait_until(
+                lambda: ran_a0 in {r[0] for r in runs(run_log)}, 15, "plantA.n0 to run"
+            )
+
+            async def sent_during_cut() -> bool:
+                records = await store.nodes(job)
+                return (
+                    records["plantA.n2"].state == "IN_PROGRESS"
+                    and records["plantB.n1"].state == "SUCCEEDED"
+                )
+
+            await wait_until(sent_during_cut, 15, "the rest to be sent while plantA is cut")
+            records = await store.nodes(job)
+            assert records["plantA.n0"].state == "IN_PROGRESS", "its reply cannot cross a cut link"
+            assert {r[0] for r in runs(run_log)}.isdisjoint(
+                {attempt_id(job, "plantA", n, 1) for n in ("n1", "n2")}
+            ), "commands sent during the cut ran before the link returned"
+            for name in ("n1", "n2"):  # they wait on the hub
+                assert (
+                    await stored_count(
+                        conn.js, STREAM_CONTROL, control_command_subject("plantA", name)
+                    )
+                    == 1
+                )
+
+            await hub.links["plantA"].restore()
+            assert await asyncio.wait_for(controller, 60) == "completed"
+        finally:
+            await site_a.close()
+        records = await store.nodes(job)
+        assert summarize(records)["SUCCEEDED"] == 5, records
+        ran = Counter(r[0] for r in runs(run_log))
+        assert set(ran) == {attempt_id(job, s, n, 1) for s, n in order}
+        assert set(ran.values()) == {1}, f"a command ran twice: {ran}"
+    finally:
+        await conn.close()
+        for fleet in fleets.values():
+            await fleet.__aexit__(None, None, None)
