@@ -21,6 +21,7 @@ from meshforge.config import load_settings
 from meshforge.connection import Connection, connect
 from meshforge.control.jobs import JobSpec, JobStore, attempt_id
 from meshforge.control.rollout import JobController, summarize
+from meshforge.observability import Metrics
 from meshforge.subjects import STREAM_CONTROL, control_command_subject
 from meshforge.topology import default_streams, ensure
 from polling import wait_until
@@ -67,7 +68,11 @@ async def test_rollout_at_a_rate_reaches_every_node_once(
     store = await JobStore.open(conn.js)
     job = _job()
     await store.create(JobSpec(job, "echo", {"v": 1}, targets=[(site, n) for n in names], rate=120))
-    assert await asyncio.wait_for(JobController(conn, store, job).run(), 30) == "completed"
+    metrics = Metrics()
+    assert await asyncio.wait_for(JobController(conn, store, job, metrics=metrics).run(), 30) == "completed"
+    exported = metrics.render().decode()
+    assert f'meshforge_job_nodes{{job="{job}",state="SUCCEEDED"}} 4.0' in exported
+    assert f'meshforge_job_oldest_in_progress_seconds{{job="{job}"}} 0.0' in exported
 
     ran = runs(run_log)
     assert sorted(r[0] for r in ran) == sorted(attempt_id(job, site, n, 1) for n in names)
@@ -96,7 +101,9 @@ async def test_failed_nodes_are_retried_with_new_ids_then_the_job_aborts(
     spec = JobSpec(job, "fail", {}, targets=[(site, n) for n in names], retries=1,
                    abort_after=50, min_done=2, rate=600)  # fmt: skip
     await store.create(spec)
-    assert await asyncio.wait_for(JobController(conn, store, job).run(), 30) == "aborted"
+    metrics = Metrics()
+    assert await asyncio.wait_for(JobController(conn, store, job, metrics=metrics).run(), 30) == "aborted"
+    assert f'meshforge_job_failed_share{{job="{job}"}} 1.0' in metrics.render().decode()
 
     records = await store.nodes(job)
     assert summarize(records)["FAILED"] == 2 and summarize(records)["CANCELED"] == 3

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from meshforge.cli.common import NatsUrl, nats_target
+from meshforge.cli.common import MetricsHost, MetricsPort, NatsUrl, nats_target
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
@@ -146,25 +146,49 @@ async def _create(
         typer.echo(f"job {job}: {command} to {len(unique)} node(s)")
         if detach:
             return 0
-        return await _drive(conn, store, spec)
+        return await _drive(conn, store, spec, settings)
 
 
-async def _drive(conn: Connection, store: Any, spec: JobSpec) -> int:
+async def _drive(conn: Connection, store: Any, spec: JobSpec, settings: Settings) -> int:
     from meshforge.control.rollout import JobController
+    from meshforge.observability import Metrics, serve_http
 
-    final = await JobController(conn, store, spec.job).run()
+    metrics = Metrics()
+    endpoint = None
+    if settings.metrics_port is not None:
+
+        async def health() -> dict[str, Any]:
+            return await conn.health()
+
+        endpoint = await serve_http(
+            settings.metrics_host, settings.metrics_port, metrics, health,
+            lambda: conn.current_state() == "connected",
+        )  # fmt: skip
+        typer.echo(f"metrics on http://{endpoint.host}:{endpoint.port}/metrics", err=True)
+    try:
+        final = await JobController(conn, store, spec.job, metrics=metrics).run()
+    finally:
+        if endpoint is not None:
+            await endpoint.close()
     report = await _report(store, spec.job)
     _print_report(report)
     return 0 if final == "completed" and report["counts"]["SUCCEEDED"] == len(spec.targets) else 1
 
 
 @job_app.command("run")
-def run(job: JobName, nats_url: NatsUrl = None) -> None:
+def run(
+    job: JobName,
+    nats_url: NatsUrl = None,
+    metrics_port: MetricsPort = None,
+    metrics_host: MetricsHost = None,
+) -> None:
     """Drive a job (again) until every node is done: after `create --detach`, or a controller
     that died. Exit 1 unless every node SUCCEEDED."""
     from meshforge.config import load_settings
 
-    settings = load_settings({"nats_url": nats_url})
+    settings = load_settings(
+        {"nats_url": nats_url, "metrics_port": metrics_port, "metrics_host": metrics_host}
+    )
     with nats_target(settings.nats_url) as url:
         raise typer.Exit(asyncio.run(_run(url, settings, job)))
 
@@ -174,26 +198,19 @@ async def _run(url: str, settings: Settings, job: str) -> int:
 
     async with await _connect(url, settings) as conn:
         store = await JobStore.open(conn.js, create=False)
-        return await _drive(conn, store, await store.spec(job))
+        return await _drive(conn, store, await store.spec(job), settings)
 
 
 async def _report(store: Any, job: str) -> dict[str, Any]:
-    from meshforge.control.jobs import FAILED_STATES
-    from meshforge.control.rollout import summarize
+    from meshforge.control.rollout import figures
     from meshforge.envelope import now_ts
 
     spec = await store.spec(job)
     records = await store.nodes(job)
     status = await store.status(job)
-    counts = summarize(records)
-    done = sum(n for s, n in counts.items() if s not in ("QUEUED", "IN_PROGRESS", "CANCELED"))
-    failed = sum(counts[s] for s in FAILED_STATES)
-    sent = [r.sent_at for r in records.values() if r.state == "IN_PROGRESS" and r.sent_at]
     return {
         "job": job, "command": spec.command, "status": status["status"], "reason": status.get("reason"),
-        "created_at": spec.created_at, "targets": len(spec.targets), "counts": counts,
-        "failed_share": round(failed / done, 4) if done else 0.0,
-        "oldest_in_progress": min(sent) if sent else None, "at": now_ts(),
+        "created_at": spec.created_at, "targets": len(spec.targets), **figures(records), "at": now_ts(),
         "nodes": [
             {"site": r.site, "node": r.node, "state": r.state, "attempt": r.attempt,
              "command_id": r.command_id, "node_epoch": r.node_epoch, "error": r.error,

@@ -28,14 +28,24 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from meshforge.connection import Connection
 from meshforge.control.client import ControlClient
-from meshforge.control.jobs import FAILED_STATES, JobSpec, JobStore, NodeJob, NodeState, attempt_id
+from meshforge.control.jobs import (
+    FAILED_STATES,
+    NODE_STATES,
+    TERMINAL,
+    JobSpec,
+    JobStore,
+    NodeJob,
+    NodeState,
+    attempt_id,
+)
 from meshforge.control.reply import Reply
 from meshforge.envelope import H_CAUSATION, decode, now_ts
 from meshforge.errors import MalformedMessage
 from meshforge.faults import crash_point
+from meshforge.observability import Metrics
 from meshforge.subjects import STREAM_REPLIES
 
-__all__ = ["JobController", "summarize"]
+__all__ = ["JobController", "figures", "summarize"]
 
 log = logging.getLogger("meshforge.control.jobs")
 
@@ -57,10 +67,25 @@ def _ts(value: str) -> datetime:
 
 def summarize(records: dict[str, NodeJob]) -> dict[str, int]:
     """How many nodes are in each state (every state named, zeros included)."""
-    from meshforge.control.jobs import NODE_STATES
-
     counts = Counter(r.state for r in records.values())
     return {state: counts.get(state, 0) for state in NODE_STATES}
+
+
+def figures(records: dict[str, NodeJob], now: datetime | None = None) -> dict[str, Any]:
+    """Counts by state, the failed share of the nodes done (canceled ones aside) and the
+    oldest command in progress (when it was sent, and its age in seconds)."""
+    counts = summarize(records)
+    done = sum(n for s, n in counts.items() if s in TERMINAL and s != "CANCELED")
+    failed = sum(counts[s] for s in FAILED_STATES)
+    sent = [r.sent_at for r in records.values() if r.state == "IN_PROGRESS" and r.sent_at]
+    oldest = min(sent) if sent else None
+    age = ((now or datetime.now(UTC)) - _ts(oldest)).total_seconds() if oldest else 0.0
+    return {
+        "counts": counts,
+        "failed_share": round(failed / done, 4) if done else 0.0,
+        "oldest_in_progress": oldest,
+        "oldest_in_progress_seconds": round(max(age, 0.0), 3),
+    }
 
 
 class JobController:
@@ -74,12 +99,14 @@ class JobController:
         *,
         client: ControlClient | None = None,
         poll: float = 0.5,
+        metrics: Metrics | None = None,
     ) -> None:
         self.conn = conn
         self.store = store
         self.job = job
         self.client = client or ControlClient(conn, source=f"job:{job}")
         self.poll = poll
+        self.metrics = metrics
         self.records: dict[str, NodeJob] = {}
         self._ids: dict[str, tuple[str, int]] = {}
         self._replies: asyncio.Queue[Reply] = asyncio.Queue()
@@ -101,6 +128,7 @@ class JobController:
         try:
             while True:
                 await self._step(spec)
+                self._export()
                 if all(r.terminal for r in self.records.values()):
                     final = self._stopped or "completed"
                     await self.store.set_status(self.job, final, self._reason())
@@ -110,6 +138,17 @@ class JobController:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    def _export(self) -> None:
+        if self.metrics is None:
+            return
+        now = figures(self.records)
+        for state, count in now["counts"].items():
+            self.metrics.job_nodes.labels(job=self.job, state=state).set(count)
+        self.metrics.job_failed_share.labels(job=self.job).set(now["failed_share"])
+        self.metrics.job_oldest_in_progress.labels(job=self.job).set(
+            now["oldest_in_progress_seconds"]
+        )
 
     def _reason(self) -> str | None:
         return "canceled by an operator" if self._stopped == "canceled" else None
