@@ -71,8 +71,8 @@ async def test_rollout_at_a_rate_reaches_every_node_once(
     metrics = Metrics()
     assert await asyncio.wait_for(JobController(conn, store, job, metrics=metrics).run(), 30) == "completed"
     exported = metrics.render().decode()
-    assert f'meshforge_job_nodes{{job="{job}",state="SUCCEEDED"}} 4.0' in exported
-    assert f'meshforge_job_oldest_in_progress_seconds{{job="{job}"}} 0.0' in exported
+    assert f'meshforge_job_nodes{{job_name="{job}",state="SUCCEEDED"}} 4.0' in exported
+    assert f'meshforge_job_oldest_in_progress_seconds{{job_name="{job}"}} 0.0' in exported
 
     ran = runs(run_log)
     assert sorted(r[0] for r in ran) == sorted(attempt_id(job, site, n, 1) for n in names)
@@ -103,7 +103,7 @@ async def test_failed_nodes_are_retried_with_new_ids_then_the_job_aborts(
     await store.create(spec)
     metrics = Metrics()
     assert await asyncio.wait_for(JobController(conn, store, job, metrics=metrics).run(), 30) == "aborted"
-    assert f'meshforge_job_failed_share{{job="{job}"}} 1.0' in metrics.render().decode()
+    assert f'meshforge_job_failed_share{{job_name="{job}"}} 1.0' in metrics.render().decode()
 
     records = await store.nodes(job)
     assert summarize(records)["FAILED"] == 2 and summarize(records)["CANCELED"] == 3

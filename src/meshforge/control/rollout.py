@@ -144,9 +144,9 @@ class JobController:
             return
         now = figures(self.records)
         for state, count in now["counts"].items():
-            self.metrics.job_nodes.labels(job=self.job, state=state).set(count)
-        self.metrics.job_failed_share.labels(job=self.job).set(now["failed_share"])
-        self.metrics.job_oldest_in_progress.labels(job=self.job).set(
+            self.metrics.job_nodes.labels(job_name=self.job, state=state).set(count)
+        self.metrics.job_failed_share.labels(job_name=self.job).set(now["failed_share"])
+        self.metrics.job_oldest_in_progress.labels(job_name=self.job).set(
             now["oldest_in_progress_seconds"]
         )
 
