@@ -69,7 +69,10 @@ async def test_rollout_at_a_rate_reaches_every_node_once(
     job = _job()
     await store.create(JobSpec(job, "echo", {"v": 1}, targets=[(site, n) for n in names], rate=120))
     metrics = Metrics()
-    assert await asyncio.wait_for(JobController(conn, store, job, metrics=metrics).run(), 30) == "completed"
+    assert (
+        await asyncio.wait_for(JobController(conn, store, job, metrics=metrics).run(), 30)
+        == "completed"
+    )
     exported = metrics.render().decode()
     assert f'meshforge_job_nodes{{job_name="{job}",state="SUCCEEDED"}} 4.0' in exported
     assert f'meshforge_job_oldest_in_progress_seconds{{job_name="{job}"}} 0.0' in exported
@@ -102,7 +105,10 @@ async def test_failed_nodes_are_retried_with_new_ids_then_the_job_aborts(
                    abort_after=50, min_done=2, rate=600)  # fmt: skip
     await store.create(spec)
     metrics = Metrics()
-    assert await asyncio.wait_for(JobController(conn, store, job, metrics=metrics).run(), 30) == "aborted"
+    assert (
+        await asyncio.wait_for(JobController(conn, store, job, metrics=metrics).run(), 30)
+        == "aborted"
+    )
     assert f'meshforge_job_failed_share{{job_name="{job}"}} 1.0' in metrics.render().decode()
 
     records = await store.nodes(job)
@@ -191,3 +197,21 @@ async def test_controller_killed_mid_rollout_loses_and_doubles_nothing(
     ran = Counter(r[0] for r in runs(run_log))
     assert set(ran) == {attempt_id(job, site, n, 1) for n in names}
     assert set(ran.values()) == {1}, f"a command ran twice: {ran}"
+
+
+async def test_two_controllers_on_one_job_take_turns(
+    conn: Connection, fleet: Fleet, site: str, run_log: Path
+) -> None:
+    names = [f"n{i}" for i in range(3)]
+    for name in names:
+        await fleet.start(site, name)
+    store = await JobStore.open(conn.js)
+    job = _job()
+    await store.create(JobSpec(job, "echo", {}, targets=[(site, n) for n in names], rate=240))
+    first = JobController(conn, store, job, lease_ttl=2.0)
+    second = JobController(conn, store, job, lease_ttl=2.0)
+    results = await asyncio.wait_for(asyncio.gather(first.run(), second.run()), 30)
+    assert results == ["completed", "completed"]
+    assert sorted([first.sent, second.sent]) == [0, 3], "one controller sent everything"
+    ran = Counter(r[0] for r in runs(run_log))
+    assert set(ran) == {attempt_id(job, site, n, 1) for n in names} and set(ran.values()) == {1}

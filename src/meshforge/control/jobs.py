@@ -2,7 +2,7 @@
 
 The KV bucket ``MESHFORGE_JOBS`` holds, per job, ``spec.<job>`` (what to send, to whom,
 how fast), ``status.<job>`` (running, completed, aborted, canceled), ``cancel.<job>``
-(present once canceled) and one ``node.<job>.<site>.<node>`` per target with its state.
+(present once canceled), ``lease.<job>`` (the controller driving it) and one ``node.<job>.<site>.<node>`` per target with its state.
 Nothing lives only in a process: a controller started again reads the bucket and goes on.
 A node's command id is derived from the job, the node and the attempt, so a re-send
 after a crash is the same command (the server's duplicate window, then the node's reply
@@ -17,7 +17,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
@@ -256,6 +258,39 @@ class JobStore:
         except KeyNotFoundError:
             return False
         return True
+
+    async def take_lease(self, job: str, owner: str, ttl: float) -> int | None:
+        """Hold ``job``'s controller lease for ``ttl`` s: its revision, or None while another
+        live controller holds it (one controller drives a job at a time)."""
+        key = f"lease.{job}"
+        body = json.dumps({"owner": owner, "until": time.time() + ttl}).encode()
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            entry = None
+        try:
+            if entry is None or not entry.value:
+                return await self.kv.create(key, body)
+            held = json.loads(entry.value)
+            if held.get("owner") != owner and float(held.get("until", 0)) > time.time():
+                return None
+            assert entry.revision is not None
+            return await self.kv.update(key, body, last=entry.revision)
+        except KeyWrongLastSequenceError:  # another controller took it just now
+            return None
+
+    async def renew_lease(self, job: str, owner: str, ttl: float, revision: int) -> int:
+        """Extend the lease this controller holds; raises if another one took it over."""
+        body = json.dumps({"owner": owner, "until": time.time() + ttl}).encode()
+        try:
+            return await self.kv.update(f"lease.{job}", body, last=revision)
+        except KeyWrongLastSequenceError:
+            raise MeshForgeError(f"job {job}: another controller took the job over") from None
+
+    async def drop_lease(self, job: str, revision: int) -> None:
+        """Give the lease up (a controller that ends), so the next one need not wait it out."""
+        with contextlib.suppress(KeyWrongLastSequenceError):
+            await self.kv.delete(f"lease.{job}", last=revision)
 
     async def jobs(self) -> list[JobSpec]:
         """Every job, oldest first."""

@@ -1,7 +1,9 @@
 """The job controller: sends a job's command to its nodes at the job's rate and follows
 their replies, with every step written to the jobs bucket first or re-derivable after.
 
-A controller killed at any point and started again reads the bucket, reads the replies
+One controller drives a job at a time (a lease in the bucket, renewed as it goes; a
+second one waits for it). A controller killed at any point and started again (once its
+lease has expired, within seconds) reads the bucket, reads the replies
 since the job was created (so an answer that came while it was down is not missed) and
 goes on; a command it sent but did not record is sent again with the same id, which the
 server's duplicate window (or, later, the node's reply log) keeps from running twice.
@@ -18,7 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
+import uuid
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -100,6 +105,7 @@ class JobController:
         client: ControlClient | None = None,
         poll: float = 0.5,
         metrics: Metrics | None = None,
+        lease_ttl: float = 5.0,
     ) -> None:
         self.conn = conn
         self.store = store
@@ -107,6 +113,11 @@ class JobController:
         self.client = client or ControlClient(conn, source=f"job:{job}")
         self.poll = poll
         self.metrics = metrics
+        self.lease_ttl = lease_ttl
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._lease = 0
+        self._lease_at = 0.0
+        self.sent = 0  # commands this controller published (re-sends included)
         self.records: dict[str, NodeJob] = {}
         self._ids: dict[str, tuple[str, int]] = {}
         self._replies: asyncio.Queue[Reply] = asyncio.Queue()
@@ -116,6 +127,25 @@ class JobController:
     async def run(self) -> str:
         """Send, follow and record until every node is done; the job's final status."""
         spec = await self.store.spec(self.job)
+        await self._take_lease()
+        try:
+            return await self._drive(spec)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.store.drop_lease(self.job, self._lease)
+
+    async def _take_lease(self) -> None:
+        """Wait for the job's lease: a controller that died leaves it to expire."""
+        waited = False
+        while (lease := await self.store.take_lease(self.job, self.owner, self.lease_ttl)) is None:
+            if not waited:
+                log.info("job %s: another controller holds it; waiting for its lease", self.job)
+                waited = True
+            await asyncio.sleep(min(1.0, self.lease_ttl / 4))  # the lease's own expiry paces this
+        self._lease = lease
+        self._lease_at = time.monotonic()
+
+    async def _drive(self, spec: JobSpec) -> str:
         self.records = await self.store.nodes(self.job)
         for site, node in spec.targets:
             for attempt in range(1, spec.retries + 2):
@@ -127,6 +157,7 @@ class JobController:
         log.info("job %s: %d node(s), driving", self.job, len(self.records))
         try:
             while True:
+                await self._renew()
                 await self._step(spec)
                 self._export()
                 if all(r.terminal for r in self.records.values()):
@@ -138,6 +169,13 @@ class JobController:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def _renew(self) -> None:
+        if time.monotonic() - self._lease_at >= self.lease_ttl / 3:
+            self._lease = await self.store.renew_lease(
+                self.job, self.owner, self.lease_ttl, self._lease
+            )
+            self._lease_at = time.monotonic()
 
     def _export(self) -> None:
         if self.metrics is None:
@@ -282,6 +320,7 @@ class JobController:
                 continue
             if time.monotonic() < self._next_send:
                 return
+            await self._renew()  # a long burst of sends keeps the lease too
             await self._send(spec, record)
             self._next_send = time.monotonic() + gap
 
@@ -293,6 +332,7 @@ class JobController:
             not_before=spec.not_before, deadline=spec.deadline, command_id=command_id,
             job=spec.job, ttl=self._ttl(spec),
         )  # fmt: skip
+        self.sent += 1
         crash_point("job_after_send")
         await self._save(
             record.to(
