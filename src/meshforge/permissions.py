@@ -9,7 +9,8 @@ Each role gets the subjects its process publishes to and subscribes on, nothing 
   durables instead (and unpinning them: a new owner fences the previous one off) and its
   agents' keys in the ownership bucket;
 * ``node``: a control-plane node with ``--no-provision``: its mailbox, its reply subject,
-  dead letters of its mailbox, its presence key;
+  dead letters of its mailbox, its presence key, and reading the jobs bucket (whether a
+  job's command was canceled);
 * ``publisher``: publishing commands and events (``meshforge publish``, an outbox relay);
 * ``spark``: the pipeline: reading the given streams (ephemeral consumers and
   ``STREAM.MSG.GET``) and publishing to the subjects it writes.
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshforge.config import Settings
+from meshforge.control.jobs import JOBS_BUCKET
 from meshforge.control.presence import NODES_BUCKET
 from meshforge.errors import ConfigError, InvalidSubject
 from meshforge.partitions import BUCKET as PARTITIONS_BUCKET
@@ -173,6 +175,7 @@ def _grant(
         if site is None or not nodes:
             raise ConfigError("permissions node: give --site SITE and --node NODE (repeatable)")
         out = [HEALTH, f"$JS.API.STREAM.INFO.KV_{NODES_BUCKET}"]
+        out += _bucket_reads(f"KV_{JOBS_BUCKET}")  # is a job's command canceled?
         for node in nodes:
             spec = node_consumer(site, node, settings)
             out += _pull(spec.stream, spec.durable)
