@@ -84,9 +84,13 @@ async def child(
     try:
         yield proc
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        if proc.returncode is None:  # SIGTERM first: a `meshforge server` stops its nats-server
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
 
 
 class LinkProxy:

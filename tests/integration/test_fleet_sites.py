@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from control_support import runs, stored_count
-from fleet_support import Fleet, LinkProxy
+from fleet_support import Fleet, LinkProxy, child, meshforge
 
 from meshforge.cluster import free_port
 from meshforge.config import load_settings
@@ -152,3 +152,30 @@ async def test_a_cut_site_runs_what_it_holds_and_catches_up_when_the_link_return
         await conn.close()
         for fleet in fleets.values():
             await fleet.__aexit__(None, None, None)
+
+
+async def test_server_cli_runs_a_hub_and_a_site_that_links_itself(tmp_path: Path) -> None:
+    leaf_port = free_port()
+    hub_env = {"MESHFORGE_HOME": str(tmp_path / "hub")}
+    site_env = {"MESHFORGE_HOME": str(tmp_path / "site")}
+    async with child("server", "--leaf-port", str(leaf_port), env=hub_env) as hub_proc:
+        assert hub_proc.stdout is not None
+        hub_line = (await asyncio.wait_for(hub_proc.stdout.readline(), 30)).decode()
+        hub_url = hub_line.split(" on ", 1)[1].split()[0]
+        site_args = ("server", "--leaf", f"nats-leaf://127.0.0.1:{leaf_port}", "--domain", "plant9")
+        async with child(*site_args, env=site_env) as site_proc:
+            assert site_proc.stdout is not None
+            seen = ""
+            while "sources plant9's presence" not in seen:
+                line = await asyncio.wait_for(site_proc.stdout.readline(), 30)
+                assert line, f"the site exited: {seen}"
+                seen += line.decode()
+            assert "site plant9 linked to the hub" in seen
+        hub = await connect(load_settings({"nats_url": hub_url}), name="hub-check")
+        try:
+            sources = (await hub.js.stream_info("MESHFORGE_REPLIES")).config.sources or []
+            assert [s.external.api for s in sources if s.external] == ["$JS.plant9.API"]
+        finally:
+            await hub.close()
+    usage = await meshforge("server", "--leaf", "nats-leaf://127.0.0.1:1", env=site_env)
+    assert usage.returncode == 2 and "--domain SITE" in usage.stderr

@@ -229,9 +229,8 @@ def _print_report(report: dict[str, Any]) -> None:
     typer.echo(f"  {counts}")
     for row in report["nodes"]:
         error = f"  {row['error']}" if row["error"] else ""
-        typer.echo(
-            f"  {row['site']}.{row['node']:<20} {row['state']:<12} attempt {row['attempt']}{error}"
-        )
+        name = f"{row['site']}.{row['node']}"
+        typer.echo(f"  {name:<24} {row['state']:<12} attempt {row['attempt']}{error}")
 
 
 @job_app.command("status")

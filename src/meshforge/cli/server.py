@@ -51,7 +51,8 @@ def server(
     leaf: Annotated[
         str | None,
         typer.Option(
-            "--leaf", metavar="HUB_URL",
+            "--leaf",
+            metavar="HUB_URL",
             help="Run a site's server: a leaf node of the hub at HUB_URL (its leafnode port, "
             "nats-leaf://host:7422) with its own JetStream domain (--domain SITE).",
         ),
@@ -66,6 +67,10 @@ def server(
     hub_domain: Annotated[
         str, typer.Option("--hub-domain", help="The hub's JetStream domain (a site sources it).")
     ] = "hub",
+    leaf_host: Annotated[
+        str,
+        typer.Option("--leaf-host", help="A hub's leafnode address (0.0.0.0: every interface)."),
+    ] = "127.0.0.1",
 ) -> None:
     """Run the embedded nats-server (JetStream on, data under ./.meshforge/) until Ctrl-C.
 
@@ -77,11 +82,13 @@ def server(
     if cluster:
         _serve_cluster(cluster, port)
         return
-    make = _fleet_server(leaf, domain, leaf_port, hub_domain)
+    make = _fleet_server(leaf, domain, leaf_port, hub_domain, leaf_host)
     with embedded_server(HOME, port=port, make=make) as srv:
         typer.echo(f"nats-server listening on {srv.url} (data in {srv.store_dir})")
         if leaf_port is not None:
-            typer.echo(f"hub (JetStream domain {domain or hub_domain}): sites join at nats-leaf://127.0.0.1:{leaf_port}")
+            typer.echo(
+                f"hub (JetStream domain {domain or hub_domain}): sites join at nats-leaf://{leaf_host}:{leaf_port}"
+            )
         if leaf is not None and domain is not None:
             _link_in_background(srv.url, domain, hub_domain)
         typer.echo(f"use it with: export MESHFORGE_NATS_URL={srv.url}")
@@ -93,7 +100,7 @@ def server(
 
 
 def _fleet_server(
-    leaf: str | None, domain: str | None, leaf_port: int | None, hub_domain: str
+    leaf: str | None, domain: str | None, leaf_port: int | None, hub_domain: str, leaf_host: str
 ) -> Callable[[Path, int | None], EmbeddedServer] | None:
     """How to make the server for the hub / site options (None: a plain server)."""
     from meshforge.control.sites import hub_server, site_server
@@ -107,7 +114,9 @@ def _fleet_server(
         return lambda store, port: site_server(site, leaf, store_dir=store, port=port)
     if leaf_port is not None:
         hub = domain or hub_domain
-        return lambda store, port: hub_server(store, leaf_port=leaf_port, domain=hub, port=port)
+        return lambda store, port: hub_server(
+            store, leaf_port=leaf_port, domain=hub, port=port, leaf_host=leaf_host
+        )
     if domain is not None:
         raise typer.BadParameter("--domain goes with --leaf (a site) or --leaf-port (a hub)")
     return None

@@ -90,9 +90,10 @@ def hub_server(
     leaf_port: int,
     domain: str = HUB_DOMAIN,
     port: int | None = None,
+    leaf_host: str = "127.0.0.1",
 ) -> EmbeddedServer:
-    """The hub: JetStream domain ``domain``, leaf connections accepted on ``leaf_port``."""
-    text = server_config(domain=domain, leaf_listen=f"127.0.0.1:{leaf_port}")
+    """The hub: JetStream domain ``domain``, leaf connections accepted on ``leaf_host:leaf_port``."""
+    text = server_config(domain=domain, leaf_listen=f"{leaf_host}:{leaf_port}")
     return _configured(Path(store_dir), text, port=port)
 
 
