@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from control_support import runs, stored_count
-from fleet_support import Fleet, LinkProxy, child, meshforge
+from fleet_support import Fleet, child, meshforge
 
 from meshforge.cluster import free_port
 from meshforge.config import load_settings
@@ -22,6 +22,7 @@ from meshforge.control.rollout import JobController, summarize
 from meshforge.control.sites import hub_server, link_site, site_server
 from meshforge.server import EmbeddedServer
 from meshforge.subjects import STREAM_CONTROL, control_command_subject
+from meshforge.testing.link import LinkRelay
 from polling import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,11 +35,11 @@ class Hub:
         self.leaf_port = free_port()
         self.server = hub_server(tmp / "hub", leaf_port=self.leaf_port)
         self.sites: dict[str, EmbeddedServer] = {}
-        self.links: dict[str, LinkProxy] = {}
+        self.links: dict[str, LinkRelay] = {}
         self.tmp = tmp
 
     async def add_site(self, site: str) -> EmbeddedServer:
-        link = await LinkProxy(self.leaf_port).start()
+        link = await LinkRelay(self.leaf_port).start()
         server = site_server(site, link.url, store_dir=self.tmp / site)
         await asyncio.to_thread(server.start)
         self.sites[site], self.links[site] = server, link
@@ -179,3 +180,10 @@ async def test_server_cli_runs_a_hub_and_a_site_that_links_itself(tmp_path: Path
             await hub.close()
     usage = await meshforge("server", "--leaf", "nats-leaf://127.0.0.1:1", env=site_env)
     assert usage.returncode == 2 and "--domain SITE" in usage.stderr
+
+
+async def test_the_fleet_demo_tells_its_story(tmp_path: Path) -> None:
+    result = await meshforge("demo", "--fleet", "--fleet-nodes", "3", env={"MESHFORGE_HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "every node ran it once: yes" in result.stdout
+    assert "no canceled command ran" in result.stdout and "plantB's link is back" in result.stdout
