@@ -174,7 +174,8 @@ async def _rollout(
     ran_b = sum(v for k, v in fleet.runs("echo").items() if k.startswith("plantB."))
     held = await _stored(hub, "control.cmd.plantB.>")
     console.print(
-        f"at plantB meanwhile: {ran_b:g} ran (their replies wait at the site); {held} wait on the hub"
+        f"at plantB meanwhile: {ran_b:g} ran, their replies wait at the site; the hub still holds "
+        f"{held} of plantB's commands (sent during the cut, or not yet acknowledged by the site)"
     )
     await fleet.links["plantB"].restore()
     console.print(
