@@ -215,3 +215,57 @@ async def test_two_controllers_on_one_job_take_turns(
     assert sorted([first.sent, second.sent]) == [0, 3], "one controller sent everything"
     ran = Counter(r[0] for r in runs(run_log))
     assert set(ran) == {attempt_id(job, site, n, 1) for n in names} and set(ran.values()) == {1}
+
+
+async def test_unanswered_attempts_time_out_are_retried_and_leave_the_mailbox(
+    conn: Connection, fleet: Fleet, site: str, run_log: Path
+) -> None:
+    store = await JobStore.open(conn.js)
+    job = _job()
+    await store.create(JobSpec(job, "echo", {}, targets=[(site, "late")], timeout=1.0, retries=1))
+    assert await asyncio.wait_for(JobController(conn, store, job).run(), 20) == "completed"
+    record = (await store.nodes(job))[f"{site}.late"]
+    assert (record.state, record.attempt) == ("TIMED_OUT", 2)
+    subject = control_command_subject(site, "late")
+
+    async def gone() -> bool:  # each attempt's letter carried the timeout as its TTL
+        return await stored_count(conn.js, STREAM_CONTROL, subject) == 0
+
+    await wait_until(gone, 10, "the timed-out letters to expire")
+    await fleet.start(site, "late")
+    assert runs(run_log) == []
+
+
+async def test_job_cli_exit_codes_and_nodes_file(
+    fleet: Fleet, site: str, nats_url: str, tmp_path: Path
+) -> None:
+    await fleet.start(site, "a")
+    await fleet.start(site, "b")
+    listing = tmp_path / "nodes.txt"
+    listing.write_text(f"# the valves\n{site}/a\n{site}.b\n")
+    base = ("--nats-url", nats_url)
+    ok = await meshforge(
+        "ctl", "job", "create", _job(), "--command", "echo", "--nodes-file", str(listing), *base
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "SUCCEEDED=2" in ok.stdout
+    failed = await meshforge(
+        "ctl", "job", "create", _job(), "--command", "nope", "--node", f"{site}/a", *base
+    )
+    assert failed.returncode == 1 and "FAILED=1" in failed.stdout
+    usage = await meshforge(
+        "ctl",
+        "job",
+        "create",
+        _job(),
+        "--command",
+        "echo",
+        "--payload",
+        "[1]",
+        "--node",
+        f"{site}/a",
+        *base,
+    )
+    assert usage.returncode == 2 and "expected a JSON object" in usage.stderr
+    missing = await meshforge("ctl", "job", "status", "no-such-job", *base)
+    assert missing.returncode == 1 and missing.stderr.startswith("error: no job no-such-job")

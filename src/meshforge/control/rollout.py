@@ -278,12 +278,11 @@ class JobController:
                 # The letter carried a TTL up to the deadline: the server removed it unless the
                 # node took it; a reply that still comes replaces this verdict.
                 await self._save(record.to("EXPIRED", error="no reply by the job's deadline"))
-            elif (
-                spec.timeout is not None
-                and (now - _ts(record.sent_at)).total_seconds() > spec.timeout
-            ):
-                await self._save(record.to("TIMED_OUT", error=f"no reply within {spec.timeout:g}s"))
-            return
+                return
+            if spec.timeout is None or (now - _ts(record.sent_at)).total_seconds() <= spec.timeout:
+                return
+            record = record.to("TIMED_OUT", error=f"no reply within {spec.timeout:g}s")
+            await self._save(record)  # and retried below, in this same pass, if it may be
         retry = record.state in ("FAILED", "TIMED_OUT") and record.attempt <= spec.retries
         if retry and self._stopped is None and not past_deadline:
             log.info(
