@@ -50,6 +50,8 @@ __all__ = [
     "Grant",
     "User",
     "authorization_block",
+    "leaf_block",
+    "leaf_user",
     "password_variable",
     "role_grant",
 ]
@@ -217,6 +219,22 @@ def password_variable(user: str) -> str:
     """
     clean = "".join(ch if ch.isalnum() else "_" for ch in user).upper()
     return f"{clean}_PASSWORD"
+
+
+def leaf_user(site: str) -> str:
+    """The user a site's leaf connection logs in to the hub as: ``meshforge-leaf-<site>``."""
+    return f"meshforge-leaf-{validate_token(site, 'site')}"
+
+
+def leaf_block(sites: Sequence[str]) -> str:
+    """The hub's ``authorization`` block for its ``leafnodes``: one user per site, its
+    password the variable ``$MESHFORGE_LEAF_<SITE>_PASSWORD`` (never written here). The
+    link carries only what the site's remote allows (sources; not ``control.>``)."""
+    entries = [
+        f'    {{ user: "{leaf_user(site)}", password: ${password_variable(leaf_user(site))} }}'
+        for site in sites
+    ]
+    return "authorization {\n  users = [\n" + "\n".join(entries) + "\n  ]\n}\n"
 
 
 def authorization_block(users: Sequence[User]) -> str:

@@ -20,6 +20,7 @@ from meshforge.control.fleet import list_nodes
 from meshforge.control.jobs import JobSpec, JobStore, attempt_id
 from meshforge.control.rollout import JobController, summarize
 from meshforge.control.sites import hub_server, link_site, site_server
+from meshforge.permissions import leaf_block, leaf_user, password_variable
 from meshforge.server import EmbeddedServer
 from meshforge.subjects import STREAM_CONTROL, control_command_subject
 from meshforge.testing.link import LinkRelay
@@ -187,3 +188,34 @@ async def test_the_fleet_demo_tells_its_story(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "every node ran it once: yes" in result.stdout
     assert "no canceled command ran" in result.stdout and "plantB's link is back" in result.stdout
+
+
+async def test_a_hub_with_leaf_logins_links_only_the_site_that_knows_its_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(password_variable(leaf_user("plantX")), "leaf-pw-9Z")  # read by the hub
+    leaf_port = free_port()
+    hub = hub_server(tmp_path / "hub", leaf_port=leaf_port, leaf_users=leaf_block(["plantX"]))
+    url = f"nats-leaf://127.0.0.1:{leaf_port}"
+    good = site_server("plantX", url, store_dir=tmp_path / "good", user=leaf_user("plantX"), password="leaf-pw-9Z")
+    bad = site_server("plantY", url, store_dir=tmp_path / "bad", user=leaf_user("plantX"), password="wrong")
+    servers = [hub, good, bad]
+    try:
+        for server in servers:
+            await asyncio.to_thread(server.start)
+        config = (tmp_path / "good" / "meshforge-site.conf").read_text()
+        assert "leaf-pw-9Z" in config and (tmp_path / "good" / "meshforge-site.conf").stat().st_mode & 0o077 == 0
+
+        async def linked(server: EmbeddedServer, site: str) -> bool:
+            try:
+                await link_site(server.url, site, timeout=1.0)
+            except Exception:  # the leaf link is not up (yet)
+                return False
+            return True
+
+        await wait_until(lambda: linked(good, "plantX"), 30, "the site with the password to link")
+        assert not await linked(bad, "plantY"), "a site with a wrong password reached the hub"
+        assert "authentication failure" in (tmp_path / "hub" / "nats-server.log").read_text().lower()
+    finally:
+        for server in servers:
+            await asyncio.to_thread(server.close)

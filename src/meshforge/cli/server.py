@@ -67,6 +67,14 @@ def server(
     hub_domain: Annotated[
         str, typer.Option("--hub-domain", help="The hub's JetStream domain (a site sources it).")
     ] = "hub",
+    leaf_users: Annotated[
+        Path | None,
+        typer.Option(
+            "--leaf-users",
+            help="A hub's leaf logins: the block `meshforge permissions leaf --site S` prints. "
+            "A site logs in with MESHFORGE_LEAF_USER / MESHFORGE_LEAF_PASSWORD.",
+        ),
+    ] = None,
     leaf_host: Annotated[
         str,
         typer.Option("--leaf-host", help="A hub's leafnode address (0.0.0.0: every interface)."),
@@ -82,7 +90,8 @@ def server(
     if cluster:
         _serve_cluster(cluster, port)
         return
-    make = _fleet_server(leaf, domain, leaf_port, hub_domain, leaf_host)
+    users = _read(leaf_users) if leaf_users is not None else ""
+    make = _fleet_server(leaf, domain, leaf_port, hub_domain, leaf_host, users)
     with embedded_server(HOME, port=port, make=make) as srv:
         typer.echo(f"nats-server listening on {srv.url} (data in {srv.store_dir})")
         if leaf_port is not None:
@@ -99,8 +108,20 @@ def server(
             typer.echo("stopping nats-server")
 
 
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--leaf-users") from None
+
+
 def _fleet_server(
-    leaf: str | None, domain: str | None, leaf_port: int | None, hub_domain: str, leaf_host: str
+    leaf: str | None,
+    domain: str | None,
+    leaf_port: int | None,
+    hub_domain: str,
+    leaf_host: str,
+    leaf_users: str,
 ) -> Callable[[Path, int | None], EmbeddedServer] | None:
     """How to make the server for the hub / site options (None: a plain server)."""
     from meshforge.control.sites import hub_server, site_server
@@ -111,11 +132,22 @@ def _fleet_server(
         if domain is None:
             raise typer.BadParameter("a site needs its name as --domain SITE", param_hint="--leaf")
         site = domain
-        return lambda store, port: site_server(site, leaf, store_dir=store, port=port)
+        user, password = (
+            os.environ.get("MESHFORGE_LEAF_USER"),
+            os.environ.get("MESHFORGE_LEAF_PASSWORD"),
+        )
+        return lambda store, port: site_server(
+            site, leaf, store_dir=store, port=port, user=user, password=password
+        )
     if leaf_port is not None:
         hub = domain or hub_domain
         return lambda store, port: hub_server(
-            store, leaf_port=leaf_port, domain=hub, port=port, leaf_host=leaf_host
+            store,
+            leaf_port=leaf_port,
+            domain=hub,
+            port=port,
+            leaf_host=leaf_host,
+            leaf_users=leaf_users,
         )
     if domain is not None:
         raise typer.BadParameter("--domain goes with --leaf (a site) or --leaf-port (a hub)")

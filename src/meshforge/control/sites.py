@@ -23,6 +23,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from nats.js import JetStreamContext
 from nats.js.api import ExternalStream, KeyValueConfig, StorageType, StreamSource
@@ -54,9 +55,14 @@ def _kv_stream(bucket: str) -> str:
 
 
 def server_config(
-    *, domain: str, leaf_listen: str | None = None, hub_url: str | None = None
+    *,
+    domain: str,
+    leaf_listen: str | None = None,
+    hub_url: str | None = None,
+    leaf_users: str = "",
 ) -> str:
-    """The nats-server config for a hub (``leaf_listen``: its leafnode ``host:port``) or a
+    """The nats-server config for a hub (``leaf_listen``: its leafnode ``host:port``;
+    ``leaf_users``: the ``authorization`` block ``meshforge permissions leaf`` prints) or a
     site (``hub_url``: the hub's leafnode URL), each with its own JetStream domain.
 
     >>> print(server_config(domain="hub", leaf_listen="127.0.0.1:7422"))
@@ -66,7 +72,8 @@ def server_config(
     lines = [f"jetstream {{ domain: {json.dumps(validate_token(domain, 'domain'))} }}"]
     if leaf_listen is not None:
         # no_advertise: a site dials the URL it was given (its proxy, its tunnel), no other.
-        lines.append(f"leafnodes {{ listen: {json.dumps(leaf_listen)}, no_advertise: true }}")
+        auth = f"\n{leaf_users.strip()}\n" if leaf_users.strip() else " "
+        lines.append(f"leafnodes {{ listen: {json.dumps(leaf_listen)}, no_advertise: true{auth}}}")
     if hub_url is not None:
         deny = json.dumps(list(LINK_DENY))
         lines.append(
@@ -91,17 +98,33 @@ def hub_server(
     domain: str = HUB_DOMAIN,
     port: int | None = None,
     leaf_host: str = "127.0.0.1",
+    leaf_users: str = "",
 ) -> EmbeddedServer:
-    """The hub: JetStream domain ``domain``, leaf connections accepted on ``leaf_host:leaf_port``."""
-    text = server_config(domain=domain, leaf_listen=f"{leaf_host}:{leaf_port}")
+    """The hub: JetStream domain ``domain``, leaf connections accepted on ``leaf_host:leaf_port``
+    (from the users of ``leaf_users`` only, when given)."""
+    text = server_config(
+        domain=domain, leaf_listen=f"{leaf_host}:{leaf_port}", leaf_users=leaf_users
+    )
     return _configured(Path(store_dir), text, port=port)
 
 
 def site_server(
-    site: str, hub_url: str, *, store_dir: str | os.PathLike[str], port: int | None = None
+    site: str,
+    hub_url: str,
+    *,
+    store_dir: str | os.PathLike[str],
+    port: int | None = None,
+    user: str | None = None,
+    password: str | None = None,
 ) -> EmbeddedServer:
-    """A site's server: a leaf node of the hub at ``hub_url``, JetStream domain ``site``."""
-    return _configured(Path(store_dir), server_config(domain=site, hub_url=hub_url), port=port)
+    """A site's server: a leaf node of the hub at ``hub_url``, JetStream domain ``site``;
+    ``user``/``password`` log the link in (written only to the config file, mode 0600)."""
+    url = hub_url
+    if user is not None and password is not None:
+        parts = urlsplit(hub_url)
+        login = f"{quote(user, safe='')}:{quote(password, safe='')}@{parts.hostname}"
+        url = urlunsplit(parts._replace(netloc=f"{login}:{parts.port}" if parts.port else login))
+    return _configured(Path(store_dir), server_config(domain=site, hub_url=url), port=port)
 
 
 async def _add_source(js: JetStreamContext, stream: str, source: StreamSource) -> bool:
