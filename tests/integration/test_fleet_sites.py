@@ -4,6 +4,7 @@ nodes, and one site's leaf link cut in the middle of it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -147,6 +148,9 @@ async def test_a_cut_site_runs_what_it_holds_and_catches_up_when_the_link_return
             await site_a.close()
         records = await store.nodes(job)
         assert summarize(records)["SUCCEEDED"] == 5, records
+        status = await meshforge("ctl", "job", "status", job, "--json", "--nats-url", hub.server.url)
+        report = json.loads(status.stdout)
+        assert (report["status"], report["counts"]["SUCCEEDED"], report["failed_share"]) == ("completed", 5, 0.0)
         ran = Counter(r[0] for r in runs(run_log))
         assert set(ran) == {attempt_id(job, s, n, 1) for s, n in order}
         assert set(ran.values()) == {1}, f"a command ran twice: {ran}"
