@@ -1,4 +1,4 @@
-"""``meshforge ctl send / status``: commands to control-plane nodes, and what they report."""
+"""``meshforge ctl send / reply / status / nodes``: commands to control-plane nodes, and what they report."""
 
 from __future__ import annotations
 
