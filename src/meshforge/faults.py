@@ -22,6 +22,7 @@ CRASH_POINTS = (
     "after_partial_publish",
     "after_publish",
     "after_ack",
+    "job_after_send",  # a job's command is in the mailbox, its node's state not yet written
 )
 
 

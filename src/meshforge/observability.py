@@ -160,6 +160,17 @@ class Metrics:
             "meshforge_node_replies", "Replies a node sent, by status.", ["site", "node", "status"], registry=r
         )
         self.node_epoch = Gauge("meshforge_node_epoch", "A node's current epoch.", ["site", "node"], registry=r)
+        # Set by a job controller (meshforge ctl job run) after each of its steps.
+        self.job_nodes = Gauge("meshforge_job_nodes", "A job's nodes, by state.", ["job_name", "state"], registry=r)
+        self.job_failed_share = Gauge(
+            "meshforge_job_failed_share", "Share (0..1) of a job's done nodes that failed.", ["job_name"], registry=r
+        )
+        self.job_oldest_in_progress = Gauge(
+            "meshforge_job_oldest_in_progress_seconds",
+            "Age of a job's oldest command sent and not yet answered (0: none).",
+            ["job_name"],
+            registry=r,
+        )
         self.ready = Gauge("meshforge_ready", "1 while the process consumes and is connected to NATS.", registry=r)
         self.nats_connected = Gauge("meshforge_nats_connected", "1 while connected to NATS.", registry=r)
         self.kill_switch_open = Gauge(

@@ -9,7 +9,8 @@ Each role gets the subjects its process publishes to and subscribes on, nothing 
   durables instead (and unpinning them: a new owner fences the previous one off) and its
   agents' keys in the ownership bucket;
 * ``node``: a control-plane node with ``--no-provision``: its mailbox, its reply subject,
-  dead letters of its mailbox, its presence key;
+  dead letters of its mailbox, its presence key, and reading the jobs bucket (whether a
+  job's command was canceled);
 * ``publisher``: publishing commands (``meshforge publish``, an outbox relay); events
   only when named with ``subjects``: agents and the audit take an event as what happened;
 * ``spark``: the pipeline: reading the given streams (ephemeral consumers and
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshforge.config import Settings
+from meshforge.control.jobs import JOBS_BUCKET
 from meshforge.control.presence import NODES_BUCKET
 from meshforge.credentials import user_inbox_prefix
 from meshforge.errors import ConfigError, InvalidSubject
@@ -53,6 +55,8 @@ __all__ = [
     "User",
     "authorization_block",
     "inbox_subscription",
+    "leaf_block",
+    "leaf_user",
     "password_variable",
     "role_grant",
 ]
@@ -202,6 +206,7 @@ def _grant(
         if site is None or not nodes:
             raise ConfigError("permissions node: give --site SITE and --node NODE (repeatable)")
         out = [HEALTH, f"$JS.API.STREAM.INFO.KV_{NODES_BUCKET}"]
+        out += _bucket_reads(f"KV_{JOBS_BUCKET}")  # is a job's command canceled?
         for node in nodes:
             spec = node_consumer(site, node, settings)
             out += _pull(spec.stream, spec.durable)
@@ -242,6 +247,22 @@ def password_variable(user: str) -> str:
     """
     clean = "".join(ch if ch.isalnum() else "_" for ch in user).upper()
     return f"{clean}_PASSWORD"
+
+
+def leaf_user(site: str) -> str:
+    """The user a site's leaf connection logs in to the hub as: ``meshforge-leaf-<site>``."""
+    return f"meshforge-leaf-{validate_token(site, 'site')}"
+
+
+def leaf_block(sites: Sequence[str]) -> str:
+    """The hub's ``authorization`` block for its ``leafnodes``: one user per site, its
+    password the variable ``$MESHFORGE_LEAF_<SITE>_PASSWORD`` (never written here). The
+    link carries only what the site's remote allows (sources; not ``control.>``)."""
+    entries = [
+        f'    {{ user: "{leaf_user(site)}", password: ${password_variable(leaf_user(site))} }}'
+        for site in sites
+    ]
+    return "authorization {\n  users = [\n" + "\n".join(entries) + "\n  ]\n}\n"
 
 
 def authorization_block(users: Sequence[User]) -> str:

@@ -297,6 +297,7 @@ async def _execute(js: JetStreamManager, step: Step) -> None:
             "num_replicas",
             "max_age",
             "max_bytes",
+            "allow_msg_ttl",
         )
         updated = step.current.evolve(
             metadata=_own_metadata(step.current.metadata),

@@ -95,6 +95,8 @@ class StreamSpec:
     max_bytes: int = -1
     discard: Discard = "old"
     description: str = ""
+    # Per-message TTL (header Nats-TTL, nats-server 2.11+): a letter leaves when it expires.
+    allow_msg_ttl: bool = False
 
     def __post_init__(self) -> None:
         for subject in self.subjects:
@@ -113,6 +115,7 @@ class StreamSpec:
             num_replicas=self.replicas,
             max_age=self.max_age,
             max_bytes=self.max_bytes,
+            allow_msg_ttl=self.allow_msg_ttl or None,
         )
 
 
@@ -230,7 +233,7 @@ def default_streams(settings: Settings) -> list[StreamSpec]:
     """
 
     def spec(
-        name: str, subject: str, retention: Retention, discard: Discard, what: str
+        name: str, subject: str, retention: Retention, discard: Discard, what: str, ttl: bool = False
     ) -> StreamSpec:
         return StreamSpec(
             name=name,
@@ -243,13 +246,14 @@ def default_streams(settings: Settings) -> list[StreamSpec]:
             max_bytes=settings.max_bytes,
             discard=discard,
             description=f"MeshForge {what}",
+            allow_msg_ttl=ttl,
         )
 
     return [
         spec(STREAM_COMMANDS, "cmd.>", "workqueue", "new", "commands to agents"),
         spec(STREAM_EVENTS, "evt.>", "limits", "old", "events from agents"),
         spec(STREAM_FAILED, "failed.>", "limits", "new", "dead letters"),
-        spec(STREAM_CONTROL, "control.cmd.>", "workqueue", "new", "node mailboxes"),
+        spec(STREAM_CONTROL, "control.cmd.>", "workqueue", "new", "node mailboxes", ttl=True),
         spec(STREAM_REPLIES, "control.reply.>", "limits", "old", "node replies"),
     ]
 
@@ -518,6 +522,7 @@ def describe_stream(cfg: StreamConfig) -> dict[str, str]:
         "replicas": str(cfg.num_replicas or 1),
         "max_age": format_duration(cfg.max_age) if cfg.max_age else "unlimited",
         "max_bytes": str(cfg.max_bytes) if cfg.max_bytes and cfg.max_bytes > 0 else "unlimited",
+        "allow_msg_ttl": "yes" if cfg.allow_msg_ttl else "no",
     }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from test_engine_support import settings_for
 
 from meshforge.connection import connect
 from meshforge.control.client import ControlClient
+from meshforge.control.jobs import JobSpec, JobStore
+from meshforge.control.rollout import JobController
 from meshforge.demo import OrderAgent
 from meshforge.envelope import Envelope
 from meshforge.observability import Metrics, serve_http
@@ -147,11 +150,18 @@ async def exported(nats_url: str, tmp_path: Path) -> dict[str, dict[Any, float]]
         relay.notify()
         await wait_until(lambda: relay.sent_total >= 1, 20, "the relay to publish")
         await relay.depth()
+        # A job controller's series: a job past its deadline (it ends EXPIRED, nothing sent).
+        jobs = await JobStore.open(conn.js)
+        job = f"ops{uuid.uuid4().hex[:8]}"
+        await jobs.create(JobSpec(job, "echo", {}, targets=[("ops", "gone")], deadline="2020-01-01T00:00:00Z"))
+        job_metrics = Metrics()
+        assert await JobController(conn, jobs, job, metrics=job_metrics).run() == "completed"
         found: dict[str, dict[Any, float]] = {}
         worker_metrics, node_metrics, relay_metrics_seen = [
             await asyncio.to_thread(scrape, p) for p in (wport, port, endpoint.port)
         ]
-        for source in (worker_metrics, node_metrics, relay_metrics_seen):
+        controller = parse_metrics(job_metrics.render().decode())
+        for source in (worker_metrics, node_metrics, relay_metrics_seen, controller):
             for name, samples in source.items():
                 found.setdefault(name, {}).update(samples)
         return {"all": found, "worker": worker_metrics, "node": node_metrics}  # type: ignore[dict-item]

@@ -17,6 +17,7 @@ from meshforge.cli import app
 from meshforge.cli.demo_support import meshforge_command
 from meshforge.config import load_settings
 from meshforge.connection import Connection, connect
+from meshforge.control.jobs import JobStore
 from meshforge.control.presence import nodes_bucket
 from meshforge.envelope import Envelope, decode
 from meshforge.permissions import password_variable
@@ -144,6 +145,19 @@ async def test_every_role_runs_under_exactly_what_it_prints(
         reply = await last(admin, STREAM_REPLIES, "control.reply.lab1.n1")
         assert reply is not None and reply.payload["status"] == "ok", reply
         assert reply.payload["result"] == {"say": "hi"}
+        # node: reads the jobs bucket before it runs a job's command (was it canceled?)
+        await JobStore.open(admin.js)  # the bucket, created at deploy time
+        command = json.dumps({"id": "c-j9", "type": "echo", "payload": {}, "job": "j9"})
+        sent = run_cli("publish", "control.cmd.lab1.n1", command, role="publisher", url=server.url)
+        assert sent.returncode == 0, sent.stderr
+
+        async def answered() -> bool:
+            reply = await last(admin, STREAM_REPLIES, "control.reply.lab1.n1")
+            return reply is not None and reply.causation_id == "c-j9"
+
+        await wait_until(answered, 30, "the node's reply to the job's command")
+        reply = await last(admin, STREAM_REPLIES, "control.reply.lab1.n1")
+        assert reply is not None and reply.payload["status"] == "ok", reply
         kv = await admin.js.key_value("MESHFORGE_NODES")
         assert json.loads((await kv.get("lab1.n1")).value or b"{}")["epoch"] == 1  # presence
     finally:

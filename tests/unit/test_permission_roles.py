@@ -61,7 +61,7 @@ def test_missing_or_bad_options_are_one_line(args: list[str], message: str) -> N
 
 def test_unknown_role_is_a_usage_error() -> None:
     result = CliRunner().invoke(app, ["permissions", "root"])
-    assert result.exit_code == 2 and "unknown role 'root'; roles: admin, agent, node, publisher, spark" in result.output
+    assert result.exit_code == 2 and "unknown role 'root'; roles: admin, agent, node, publisher, spark, leaf" in result.output
 
 
 def test_each_user_subscribes_to_its_own_reply_inbox_only() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -131,14 +131,19 @@ def announced(
 
 
 @contextlib.contextmanager
-def embedded_server(home: Path = HOME, port: int | None = None) -> Iterator[EmbeddedServer]:
+def embedded_server(
+    home: Path = HOME,
+    port: int | None = None,
+    make: Callable[[Path, int | None], EmbeddedServer] | None = None,
+) -> Iterator[EmbeddedServer]:
     """Start the embedded server with its data under ``home`` and announce its URL there.
 
     ``home`` and the server's store directory are locked: a second server on the same
     ``home`` raises ``ServerError`` naming the running one, before touching any file.
     """
     with serving_home(home) as lock:
-        server = EmbeddedServer(store_dir=home / "nats", port=port)
+        store_dir = home / "nats"
+        server = make(store_dir, port) if make else EmbeddedServer(store_dir=store_dir, port=port)
         server.start()
         assert server.pid is not None
         try:

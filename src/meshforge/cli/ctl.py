@@ -1,4 +1,4 @@
-"""``meshforge ctl send / status``: commands to control-plane nodes, and what they report."""
+"""``meshforge ctl send / reply / status / nodes``: commands to control-plane nodes, and what they report."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ ctl_app = typer.Typer(
 
 
 def register(app: typer.Typer) -> None:
+    from meshforge.cli.jobs import job_app
+
+    ctl_app.add_typer(job_app, name="job")
     app.add_typer(ctl_app, name="ctl")
 
 
@@ -217,3 +220,44 @@ async def _status(url: str, settings: Settings, site: str, name: str) -> dict[st
 
     async with await connect(settings, url=url, name="meshforge-ctl") as conn:
         return (await ControlClient(conn, settings=settings).status(site, name)).to_dict()
+
+
+@ctl_app.command("nodes")
+def nodes(
+    site: Annotated[str | None, typer.Option("--site", help="Only this site's nodes.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    nats_url: NatsUrl = None,
+) -> None:
+    """List every node the presence data knows: alive / late / gone, epoch, version,
+    last seen and mailbox depth."""
+    from meshforge.config import load_settings
+
+    settings = load_settings({"nats_url": nats_url})
+    with nats_target(settings.nats_url) as url:
+        rows = asyncio.run(_nodes(url, settings, site))
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        typer.echo("no node has announced itself" + (f" at site {site}" if site else ""))
+        return
+    header = ("NODE", "STATE", "EPOCH", "VERSION", "LAST SEEN", "AGO", "MAILBOX")
+    lines = [header]
+    for r in rows:
+        seen = f"{r['seconds_since_seen']:.1f}s"
+        version = r["version"] or "-"
+        lines.append(
+            (f"{r['site']}.{r['node']}", r["liveness"], str(r["epoch"]), version,
+             r["last_seen"], seen, str(r["mailbox_depth"]))
+        )  # fmt: skip
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for line in lines:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+
+
+async def _nodes(url: str, settings: Settings, site: str | None) -> list[dict[str, Any]]:
+    from meshforge.connection import connect
+    from meshforge.control.fleet import list_nodes
+
+    async with await connect(settings, url=url, name="meshforge-ctl") as conn:
+        return [row.to_dict() for row in await list_nodes(conn.js, site)]

@@ -52,8 +52,23 @@ def demo(
     timeout: Annotated[float, typer.Option("--timeout", min=5, help="Seconds to wait for processing.")] = 240.0,
     report: Annotated[bool, typer.Option("--report/--no-report", help="End with the Spark ingest and audit.")] = True,
     nats_url: NatsUrl = None,
+    fleet: Annotated[
+        bool,
+        typer.Option(
+            "--fleet",
+            help="Tell the fleet story instead: a hub and 2 sites on leaf nodes (servers of its own), "
+            "20 nodes, a rollout through a cut link, a cancel.",
+        ),
+    ] = False,
+    fleet_nodes: Annotated[int, typer.Option("--fleet-nodes", min=2, max=100, help="Nodes per site (--fleet).")] = 10,
 ) -> None:
     """Run the whole story: provision, agents, smoke test, load with a SIGKILL, audit, replay."""
+    if fleet:
+        from meshforge.cli.demo_fleet import run_fleet_demo
+
+        if not run_fleet_demo(HOME, fleet_nodes):
+            raise typer.Exit(1)
+        return
     console = Console()
     work = HOME / "demo"
     shutil.rmtree(work, ignore_errors=True)  # the demo's own stores and logs, fresh each run

@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
 def permissions(
     roles: Annotated[
         list[str],
-        typer.Argument(metavar="ROLE...", help="admin, agent, node, publisher or spark."),
+        typer.Argument(metavar="ROLE...", help="admin, agent, node, publisher, spark or leaf."),
     ],
     agent: Annotated[
         list[str] | None,
@@ -30,7 +30,10 @@ def permissions(
         str | None,
         typer.Option("--namespace", help="agent, publisher: only this namespace's subjects."),
     ] = None,
-    site: Annotated[str | None, typer.Option("--site", help="node: the nodes' site.")] = None,
+    site: Annotated[
+        str | None,
+        typer.Option("--site", help="node: the nodes' site; leaf: the site whose link logs in."),
+    ] = None,
     node: Annotated[
         list[str] | None,
         typer.Option("--node", metavar="NODE", help="node: the nodes (repeatable)."),
@@ -77,11 +80,16 @@ def permissions(
     Example: meshforge permissions admin agent node --agent order --site lab1 --node node7
     """
     from meshforge.config import load_settings
-    from meshforge.permissions import ROLES, User, authorization_block, role_grant
+    from meshforge.errors import ConfigError
+    from meshforge.permissions import ROLES, User, authorization_block, leaf_block, role_grant
 
-    unknown = [r for r in roles if r not in ROLES]
+    unknown = [r for r in roles if r not in (*ROLES, "leaf")]
     if unknown:
-        raise typer.BadParameter(f"unknown role {unknown[0]!r}; roles: {', '.join(ROLES)}")
+        raise typer.BadParameter(f"unknown role {unknown[0]!r}; roles: {', '.join(ROLES)}, leaf")
+    leaf = "leaf" in roles
+    roles = [r for r in roles if r != "leaf"]
+    if leaf and site is None:
+        raise ConfigError("permissions leaf: give --site SITE (the site whose leaf link logs in)")
     if user is not None and len(roles) != 1:
         raise typer.BadParameter("--user names one user: give exactly one ROLE", param_hint="--user")
     if inbox_prefix is not None and len(roles) != 1:
@@ -101,4 +109,10 @@ def permissions(
         )
         for role in dict.fromkeys(roles)
     ]
-    typer.echo(authorization_block(users), nl=False)
+    if users:
+        typer.echo(authorization_block(users), nl=False)
+    if leaf and site is not None:
+        typer.echo("# the hub: put this block inside leafnodes { } (meshforge server --leaf-users FILE)")
+        typer.echo(leaf_block([site]), nl=False)
+        typer.echo(f"# site {site}: MESHFORGE_LEAF_USER=meshforge-leaf-{site} MESHFORGE_LEAF_PASSWORD=... "
+                   f"meshforge server --leaf HUB_URL --domain {site}")  # fmt: skip

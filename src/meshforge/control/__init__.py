@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from meshforge.control.client import ControlClient, NodeStatus, node_durable, to_timestamp
+    from meshforge.control.fleet import NodeRow, list_nodes
+    from meshforge.control.jobs import JobSpec, JobStore, NodeJob
     from meshforge.control.node import CommandContext, CommandHandler, Node, command, load_node
     from meshforge.control.presence import (
         NODES_BUCKET,
@@ -27,7 +29,9 @@ if TYPE_CHECKING:
         read_announcement,
     )
     from meshforge.control.reply import REPLY_TYPE, Reply, Status, reply_envelope
+    from meshforge.control.rollout import JobController
     from meshforge.control.runtime import NodeRuntime
+    from meshforge.control.sites import link_site
 
 # Where each public name lives; imported on first use so that writing a Node does not
 # pull in the consumer and publisher.
@@ -50,6 +54,13 @@ _WHERE = {
     "Status": "reply",
     "reply_envelope": "reply",
     "NodeRuntime": "runtime",
+    "NodeRow": "fleet",
+    "list_nodes": "fleet",
+    "JobSpec": "jobs",
+    "JobStore": "jobs",
+    "NodeJob": "jobs",
+    "JobController": "rollout",
+    "link_site": "sites",
 }
 
 __all__ = [
@@ -59,13 +70,20 @@ __all__ = [
     "CommandContext",
     "CommandHandler",
     "ControlClient",
+    "JobController",
+    "JobSpec",
+    "JobStore",
     "Node",
+    "NodeJob",
+    "NodeRow",
     "NodeRuntime",
     "NodeStatus",
     "Presence",
     "Reply",
     "Status",
     "command",
+    "link_site",
+    "list_nodes",
     "load_node",
     "node_durable",
     "read_announcement",

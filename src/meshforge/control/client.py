@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,6 +58,18 @@ def _match(data: bytes, headers: dict[str, str], command_id: str) -> Reply | Non
     except MalformedMessage:
         return None
     return None
+
+
+H_TTL = "Nats-TTL"
+
+
+def ttl_header(seconds: float) -> str:
+    """A ``Nats-TTL`` value: whole seconds, at least one (the server's finest unit).
+
+    >>> ttl_header(0.2), ttl_header(90.5)
+    ('1s', '91s')
+    """
+    return f"{max(1, math.ceil(seconds))}s"
 
 
 def node_durable(site: str, node: str) -> str:
@@ -171,9 +184,13 @@ class ControlClient:
         deadline: TimeSpec = None,
         expect_epoch: int | None = None,
         command_id: str | None = None,
+        job: str | None = None,
+        ttl: float | None = None,
     ) -> str:
         """Drop a command into the node's mailbox; returns its id (the server stores it even
-        while the node is down). ``command_id`` makes a re-send the same command."""
+        while the node is down). ``command_id`` makes a re-send the same command; ``job``
+        names the job it belongs to (a canceled job's commands are answered ``canceled``);
+        ``ttl`` (seconds) has the server remove the letter once it expires (``Nats-TTL``)."""
         subject = control_command_subject(site, node)
         validate_token(command, "command")
         if expect_epoch is not None and (
@@ -191,9 +208,12 @@ class ControlClient:
         }
         if command_id:
             fields["id"] = command_id
+        if job is not None:
+            fields["extra"] = {"job": validate_token(job, "job")}
         env = Envelope.new(command, payload or {}, **fields)
         self._sent_at[env.id] = now
-        result = await self.publisher.publish(subject, env)
+        headers = {H_TTL: ttl_header(ttl)} if ttl is not None else None
+        result = await self.publisher.publish(subject, env, headers=headers)
         if result.duplicate:
             # The server already holds this id: its reply may be older than this send.
             del self._sent_at[env.id]

@@ -23,7 +23,7 @@ from meshforge.errors import MalformedMessage
 __all__ = ["REPLY_TYPE", "STATUSES", "Reply", "Status", "reply_envelope"]
 
 REPLY_TYPE = "control.reply"
-Status = Literal["ok", "error", "expired", "rejected"]
+Status = Literal["ok", "error", "expired", "rejected", "canceled"]
 STATUSES: tuple[str, ...] = get_args(Status)
 
 

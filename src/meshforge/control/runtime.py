@@ -1,6 +1,7 @@
 """The node runtime: pulls a node's mailbox and applies the control-plane rules, in order.
 
 1. A command id already answered: publish the stored reply again, run nothing.
+   A command of a canceled job (its ``job`` field): reply ``canceled``, run nothing.
 2. ``deadline_ts`` passed: reply ``expired``, dead-letter ``expired``, run nothing.
 3. ``expected_node_epoch`` set and not the current epoch: reply ``rejected``, dead-letter
    ``rejected``, run nothing.
@@ -35,6 +36,7 @@ from meshforge.config import Settings, load_settings
 from meshforge.connection import Connection
 from meshforge.consumer import Consumer, Decision, Delivery
 from meshforge.control.client import node_durable
+from meshforge.control.jobs import job_canceled
 from meshforge.control.node import CommandContext, Node
 from meshforge.control.presence import Presence
 from meshforge.control.reply import Status, reply_envelope
@@ -121,6 +123,7 @@ class NodeRuntime:
         self.metrics.track(self.is_ready, lambda: self.conn.current_state() == "connected")
         self._consumer: Consumer | None = None
         self._stopping = False
+        self._canceled: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -229,6 +232,9 @@ class NodeRuntime:
         stored, epoch = await self._tx(look)
         if stored is not None:
             return await self._resend(stored, env)
+        job = env.extra.get("job")
+        if isinstance(job, str) and await self._job_canceled(job):
+            return await self._finish(env, "canceled", None, f"job {job} was canceled")
         # HA instances share the store: the current epoch is the store's, not this process's.
         current = epoch if epoch is not None else self.epoch
         self._set_epoch(current)
@@ -248,6 +254,15 @@ class NodeRuntime:
                 )
                 return Decision.nak(delay=wait)
         return await self._run(delivery, env, current)
+
+    async def _job_canceled(self, job: str) -> bool:
+        """Whether the command's job was canceled (remembered: a cancel is final)."""
+        if job in self._canceled:
+            return True
+        if await job_canceled(self.conn.js, job):
+            self._canceled.add(job)
+            return True
+        return False
 
     async def _run(self, delivery: Delivery, env: Envelope, epoch: int) -> Decision | None:
         handler = self.node.handler_for(env.type)
