@@ -80,7 +80,7 @@ async def run_once(kind: str, rate: int, seconds: float, work: Path) -> tuple[Fi
         # Commands due after the warm-up; each latency from its due time (its stamp).
         first = min(tap.sent)
         counted = [lat for lat, sent in zip(tap.latencies, tap.sent, strict=True) if sent >= first + WARMUP]
-        figures = tuple(percentile(counted, q) * 1e3 for q in QUANTILES) + (lag["p99"] * 1e3, lag["max"] * 1e3)
+        figures = (*(percentile(counted, q) * 1e3 for q in QUANTILES), lag["p99"] * 1e3, lag["max"] * 1e3)
         return figures, len(counted)
 
 
