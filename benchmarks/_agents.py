@@ -3,8 +3,7 @@ one variant, its process, and a tap that times every output as it arrives.
 
 Variants: ``mf`` (``meshforge run _variants:EchoAgent``, SQLite store), ``pg`` (the same on
 a PostgreSQL store: a database made for the run on ``PG_ADMIN``, dropped after), ``raw``
-and ``raw-serial`` (plain nats-py loops) and ``fs``, ``fs-workers``, ``fs-batch-serial``
-(FastStream), each one OS process; see ``_variants.py``.
+and ``raw-serial`` (plain nats-py loops) and ``fs``, ``fs-workers`` (FastStream), each one OS process; see ``_variants.py``.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ LABELS = {
     "raw-serial": "nats-py serial loop (fetch, publish, wait, ack)",
     "fs": "FastStream per-message handler, PullSub(256) + publisher",
     "fs-workers": "the same with max_workers=256",
-    "fs-batch-serial": "FastStream batch handler, serial publishes (old)",
 }
 # The baselines a floor compares with: the faster of each family in the same run.
 BARE_LOOPS, FASTSTREAMS = ("raw", "raw-serial"), ("fs", "fs-workers")

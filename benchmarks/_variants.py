@@ -10,8 +10,6 @@
   ``PullSub(batch_size=256)`` returning its output to a broker publisher; FastStream
   runs the handlers of a fetched batch concurrently.
 - ``fs-workers``: the same with ``max_workers=256`` (a queue and 256 worker tasks).
-- ``fs-batch-serial``: the old baseline, a batch handler (``PullSub(batch=True)``) that
-  awaits each output's publish one after another; kept under its name, not a floor's.
 - ``load``: an open-loop generator: command i is due at start + i / rate and carries
   that time (the monotonic clock, shared by every process of the machine), not the time
   it actually left: a late generator must not hide the wait (coordinated omission).
@@ -94,30 +92,18 @@ async def raw(url: str, out_subject: str, lanes: int = LANES) -> None:
 
 
 async def faststream(url: str, in_subject: str, out_subject: str, style: str) -> None:
-    """FastStream on its own broker: ``per-message`` (as documented), ``workers`` or ``batch-serial``."""
+    """FastStream on its own broker: ``per-message`` (as documented) or with ``workers``."""
     from faststream.nats import JStream, NatsBroker, PullSub
 
     broker = NatsBroker(url, logger=None)
     stream = JStream(STREAM_IN, declare=False)
-    if style == "batch-serial":
+    workers = {"max_workers": FETCH} if style == "workers" else {}
 
-        @broker.subscriber(
-            in_subject, stream=stream, durable=DURABLE, pull_sub=PullSub(batch_size=FETCH, timeout=0.01, batch=True)
-        )
-        async def handle_batch(bodies: list[dict[str, Any]]) -> None:
-            for cmd in bodies:
-                p = cmd["payload"]
-                out = {"id": p["id"], "n": len(p["blob"]), "t": p.get("t", 0)}
-                await broker.publish(out, out_subject, stream=STREAM_OUT)  # waits for the PubAck
-
-    else:
-        workers = {"max_workers": FETCH} if style == "workers" else {}
-
-        @broker.subscriber(in_subject, stream=stream, durable=DURABLE, pull_sub=PullSub(batch_size=FETCH), **workers)
-        @broker.publisher(out_subject, stream=STREAM_OUT)
-        async def handle(cmd: dict[str, Any]) -> dict[str, Any]:
-            p = cmd["payload"]
-            return {"id": p["id"], "n": len(p["blob"]), "t": p.get("t", 0)}
+    @broker.subscriber(in_subject, stream=stream, durable=DURABLE, pull_sub=PullSub(batch_size=FETCH), **workers)
+    @broker.publisher(out_subject, stream=STREAM_OUT)
+    async def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        p = cmd["payload"]
+        return {"id": p["id"], "n": len(p["blob"]), "t": p.get("t", 0)}
 
     await broker.start()
     await asyncio.Event().wait()

@@ -4,8 +4,8 @@ the SQLite one; each worker one process, one output per command.
 
 Each floor divides by the fastest of its baselines in the same run (``BARE_LOOPS``:
 nats-py with overlapping pull lanes or the serial loop; ``FASTSTREAMS``: a per-message
-handler with or without ``max_workers``); the old batch-serial FastStream runs only when
-asked for (``--only ...,fs-batch-serial``).
+handler with or without ``max_workers``). The old FastStream baseline, a batch handler
+awaiting each publish in turn, is gone: it measured how not to use FastStream.
 
 Each round gives every variant a fresh server with N commands (128-byte payloads) already
 stored, starts its process, and times its outputs from the first stored to the last, by
