@@ -1,7 +1,8 @@
 """Set-up shared by the agent benchmarks: a fresh server, the command and output streams of
 one variant, its process, and a tap that times every output as it arrives.
 
-Variants: ``mf`` (``meshforge run _variants:EchoAgent``, SQLite store), ``pg`` (the same on
+Variants: ``mf`` (``meshforge run _variants:EchoAgent``, SQLite store; ``mf-uvloop`` the
+same on uvloop's event loop), ``pg`` (the same on
 a PostgreSQL store: a database made for the run on ``PG_ADMIN``, dropped after), ``raw``
 and ``raw-serial`` (plain nats-py loops) and ``fs``, ``fs-workers`` (FastStream), each one OS process; see ``_variants.py``.
 """
@@ -38,6 +39,7 @@ from _variants import DURABLE, LANES, STREAM_IN, STREAM_OUT  # noqa: E402
 PG_ADMIN = os.environ.get("MESHFORGE_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 LABELS = {
     "mf": "MeshForge agent (exactly once, SQLite)",
+    "mf-uvloop": "MeshForge agent (SQLite) on uvloop",
     "pg": "MeshForge agent (exactly once, PostgreSQL)",
     "raw": f"nats-py, {LANES} pull lanes (fetch 256, publish_async, ack)",
     "raw-serial": "nats-py serial loop (fetch, publish, wait, ack)",
@@ -46,7 +48,7 @@ LABELS = {
 }
 # The baselines a floor compares with: the faster of each family in the same run.
 BARE_LOOPS, FASTSTREAMS = ("raw", "raw-serial"), ("fs", "fs-workers")
-OUR = {"mf", "pg"}
+OUR = {"mf", "pg", "mf-uvloop"}
 OUTPUT_STREAMS = {k: STREAM_EVENTS if k in OUR else STREAM_OUT for k in LABELS}
 SUBJECTS = {
     k: ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked") if k in OUR else ("bench.in", "bench.out")
@@ -142,6 +144,8 @@ class Bench:
             env["MESHFORGE_LOG_LEVEL"] = "WARNING"
             store = self.store_url or f"sqlite:///{self.work / 'store.db'}"
             args = meshforge_command("run", "_variants:EchoAgent", "--store", store, "--nats-url", self.server.url)
+            if self.kind == "mf-uvloop":  # its event-loop policy, which asyncio.run follows
+                args[2] = "import uvloop; uvloop.install(); " + args[2]
         else:
             args = [sys.executable, str(HERE / "_variants.py"), self.kind, self.server.url, inp, out]
         log = (self.work / f"{self.kind}.log").open("ab")

@@ -6,6 +6,7 @@ Each floor divides by the fastest of its baselines in the same run (``BARE_LOOPS
 nats-py with overlapping pull lanes or the serial loop; ``FASTSTREAMS``: a per-message
 handler with or without ``max_workers``). The old FastStream baseline, a batch handler
 awaiting each publish in turn, is gone: it measured how not to use FastStream.
+``--only mf,mf-uvloop`` compares the agent on asyncio's event loop and on uvloop's.
 
 Each round gives every variant a fresh server with N commands (128-byte payloads) already
 stored, starts its process, and times its outputs from the first stored to the last, by
