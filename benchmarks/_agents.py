@@ -2,9 +2,9 @@
 one variant, its process, and a tap that times every output as it arrives.
 
 Variants: ``mf`` (``meshforge run _variants:EchoAgent``, SQLite store; ``mf-uvloop`` the
-same on uvloop's event loop), ``pg`` (the same on
-a PostgreSQL store: a database made for the run on ``PG_ADMIN``, dropped after), ``raw``
-and ``raw-serial`` (plain nats-py loops) and ``fs``, ``fs-workers`` (FastStream), each one OS process; see ``_variants.py``.
+same on uvloop's event loop), ``pg`` (the same on a PostgreSQL store: a database made for
+the run on ``PG_ADMIN``, dropped after), ``raw`` and ``raw-serial`` (plain nats-py loops)
+and ``fs``, ``fs-workers`` (FastStream), each one OS process; see ``_variants.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from meshforge.topology import agent_consumer, default_streams, ensure
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from _variants import DURABLE, LANES, STREAM_IN, STREAM_OUT  # noqa: E402
+from _variants import DURABLE, FS_WORKERS, LANES, STREAM_IN, STREAM_OUT  # noqa: E402
 
 PG_ADMIN = os.environ.get("MESHFORGE_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 LABELS = {
@@ -44,7 +44,7 @@ LABELS = {
     "raw": f"nats-py, {LANES} pull lanes (fetch 256, publish_async, ack)",
     "raw-serial": "nats-py serial loop (fetch, publish, wait, ack)",
     "fs": "FastStream per-message handler, PullSub(256) + publisher",
-    "fs-workers": "the same with max_workers=256",
+    "fs-workers": f"the same with max_workers={FS_WORKERS}",
 }
 # The baselines a floor compares with: the faster of each family in the same run.
 BARE_LOOPS, FASTSTREAMS = ("raw", "raw-serial"), ("fs", "fs-workers")
