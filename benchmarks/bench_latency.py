@@ -13,7 +13,7 @@ of the machine (tens of ms, now and then on a shared 2-core VM) moves a single r
 p99. Lower rates run once, for half of ``--seconds``. Floor F3: at 1,000/s the agent's
 p50 and p99 no higher than FastStream's in the same run.
 
-    python benchmarks/bench_latency.py [--rates 1000] [--seconds 20] [--rounds 3] [--quick]
+    python benchmarks/bench_latency.py [--rates 1000] [--seconds 15] [--rounds 3] [--quick]
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ async def main(rates: list[int], seconds: float, rounds: int, kinds: list[str]) 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rates", default="1000")
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=3, help="runs at the highest rate; the median counts")
     # The serial nats-py loop: with two lanes a light load leaves commands for seconds in a
     # lane's pull (p99 4.9 s at 1,000/s in a 5-s run).
