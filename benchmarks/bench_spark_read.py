@@ -1,6 +1,7 @@
 """Batch read rate of the ``jetstream`` Spark source against a plain nats-py loop.
 
-N messages (500,000 by default) of 128 bytes are stored once in a fresh stream on an embedded server. Then:
+N messages (500,000 by default) of 128 bytes are stored once in a fresh stream on an
+embedded server. Then:
 
 * ``nats-py loop``: one process, an ephemeral pull consumer, ``fetch`` in batches,
   every message's subject, sequence, time, headers and data into pyarrow columns;
