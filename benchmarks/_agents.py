@@ -1,9 +1,10 @@
 """Set-up shared by the agent benchmarks: a fresh server, the command and output streams of
 one variant, its process, and a tap that times every output as it arrives.
 
-Variants: ``mf`` (``meshforge run _variants:EchoAgent``, SQLite store), ``pg`` (the same on
-a PostgreSQL store: a database made for the run on ``PG_ADMIN``, dropped after), ``raw``
-(the plain nats-py loop) and ``fs`` (FastStream), each one OS process; see ``_variants.py``.
+Variants: ``mf`` (``meshforge run _variants:EchoAgent``, SQLite store; ``mf-uvloop`` the
+same on uvloop's event loop), ``pg`` (the same on a PostgreSQL store: a database made for
+the run on ``PG_ADMIN``, dropped after), ``raw`` and ``raw-serial`` (plain nats-py loops)
+and ``fs``, ``fs-workers`` (FastStream), each one OS process; see ``_variants.py``.
 """
 
 from __future__ import annotations
@@ -33,21 +34,25 @@ from meshforge.topology import agent_consumer, default_streams, ensure
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from _variants import DURABLE, STREAM_IN, STREAM_OUT  # noqa: E402
+from _variants import DURABLE, FS_WORKERS, LANES, STREAM_IN, STREAM_OUT  # noqa: E402
 
 PG_ADMIN = os.environ.get("MESHFORGE_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 LABELS = {
     "mf": "MeshForge agent (exactly once, SQLite)",
+    "mf-uvloop": "MeshForge agent (SQLite) on uvloop",
     "pg": "MeshForge agent (exactly once, PostgreSQL)",
-    "raw": "nats-py loop (fetch 256, publish_async, ack)",
-    "fs": "FastStream pull subscriber + broker.publish",
+    "raw": f"nats-py, {LANES} pull lanes (fetch 256, publish_async, ack)",
+    "raw-serial": "nats-py serial loop (fetch, publish, wait, ack)",
+    "fs": "FastStream per-message handler, PullSub(256) + publisher",
+    "fs-workers": f"the same with max_workers={FS_WORKERS}",
 }
-OUTPUT_STREAMS = {"mf": STREAM_EVENTS, "pg": STREAM_EVENTS, "raw": STREAM_OUT, "fs": STREAM_OUT}
+# The baselines a floor compares with: the faster of each family in the same run.
+BARE_LOOPS, FASTSTREAMS = ("raw", "raw-serial"), ("fs", "fs-workers")
+OUR = {"mf", "pg", "mf-uvloop"}
+OUTPUT_STREAMS = {k: STREAM_EVENTS if k in OUR else STREAM_OUT for k in LABELS}
 SUBJECTS = {
-    "mf": ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked"),
-    "pg": ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked"),
-    "raw": ("bench.in", "bench.out"),
-    "fs": ("bench.in", "bench.out"),
+    k: ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked") if k in OUR else ("bench.in", "bench.out")
+    for k in LABELS
 }
 
 
@@ -124,7 +129,7 @@ class Bench:
 
     async def streams(self) -> None:
         js = self.nc.jetstream()
-        if self.kind in ("mf", "pg"):
+        if self.kind in OUR:
             settings = load_settings({"nats_url": self.server.url}, env={})
             await ensure(js, default_streams(settings), [agent_consumer("echo", settings)])
             return
@@ -135,10 +140,12 @@ class Bench:
     def start(self) -> None:
         inp, out = self.subjects
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-        if self.kind in ("mf", "pg"):
+        if self.kind in OUR:
             env["MESHFORGE_LOG_LEVEL"] = "WARNING"
             store = self.store_url or f"sqlite:///{self.work / 'store.db'}"
             args = meshforge_command("run", "_variants:EchoAgent", "--store", store, "--nats-url", self.server.url)
+            if self.kind == "mf-uvloop":  # its event-loop policy, which asyncio.run follows
+                args[2] = "import uvloop; uvloop.install(); " + args[2]
         else:
             args = [sys.executable, str(HERE / "_variants.py"), self.kind, self.server.url, inp, out]
         log = (self.work / f"{self.kind}.log").open("ab")

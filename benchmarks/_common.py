@@ -13,7 +13,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+# Wide: a table piped into run_all.py keeps one line a row (rich falls back to 80 columns).
+console = Console(width=150)
 
 BODY_SIZE = 128
 

@@ -4,7 +4,7 @@ One ``meshforge run`` worker (SQLite store, default settings) drains N commands 
 wait in the stream (one event out each); its RSS is read from /proc every two seconds.
 ``make bench`` drains 200,000; ``--count 1000000`` is the full run of the floor.
 
-Floor (S6): RSS <= 150 MB and flat (the last quarter's peak within 10% of the second's).
+Floor (F6): RSS <= 150 MB and flat (the last quarter's peak within 10% of the second's).
 
     python benchmarks/bench_rss.py [--count 200000] [--quick]
 """
@@ -36,7 +36,7 @@ async def main(count: int) -> None:
     second, last = quarter_max(result.samples, "rss_mb", 1), quarter_max(result.samples, "rss_mb", 3)
     flat = last <= second * 1.10
     console.print(f"{result.rate:,.0f} commands/s; peak RSS {peak:.0f} MB; second-quarter peak {second:.0f} MB, last-quarter peak {last:.0f} MB")
-    floor("S6", f"worker RSS draining {count:,} commands", f"{peak:.0f} MB", "<= 150 MB and flat", met=peak <= 150 and flat,
+    floor("F6", f"worker RSS draining {count:,} commands", f"{peak:.0f} MB", "<= 150 MB and flat", met=peak <= 150 and flat,
           note=f"second-quarter peak {second:.0f} MB, last {last:.0f} MB ({'flat' if flat else 'growing'})")  # fmt: skip
 
 

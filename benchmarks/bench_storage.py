@@ -11,7 +11,7 @@ for 100 seconds or until the commands are done:
 - the agent's event log and states: the agent's history, kept by design (bytes per
   command processed; states are bounded by the number of resources).
 
-Floor (S7): bytes per command reported; the retained rows flat over time (once the
+Floor (F7): bytes per command reported; the retained rows flat over time (once the
 retention has started deleting, the last quarter's peak within 15% of the first half's).
 
     python benchmarks/bench_storage.py [--count 600000] [--quick]
@@ -71,7 +71,7 @@ async def main(count: int) -> None:
     else:
         flat, note = None, "run too short to see the retention at work: use a larger --count"
     console.print(f"{result.rate:,.0f} commands/s; {note}")
-    floor("S7", "store bytes per command, retention on", f"{per_kept:,.0f} B/cmd in the window", "reported; flat over time",
+    floor("F7", "store bytes per command, retention on", f"{per_kept:,.0f} B/cmd in the window", "reported; flat over time",
           met=flat, note=note)  # fmt: skip
 
 
