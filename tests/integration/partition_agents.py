@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 
 import msgspec
 
 from meshforge.envelope import Envelope
+from meshforge.errors import Retry
 from meshforge.runtime.agent import Agent, Event, command
 
 
@@ -17,7 +19,9 @@ class Seen(msgspec.Struct):
 
 
 class SequenceAgent(Agent[Seen]):
-    """``step {"seq", "pause"?}`` on a resource: emits ``stepped`` with the seq before it."""
+    """``step {"seq", "pause"?, "retry_once"?, "retry"?}`` on a resource: emits ``stepped``
+    with the seq before it. ``retry_once`` names a file: the first attempt in any worker
+    creates it and returns ``Retry(delay=retry)`` (a head nak'ed past the ack wait)."""
 
     name = "seq"
 
@@ -26,6 +30,10 @@ class SequenceAgent(Agent[Seen]):
         pause = float(cmd.payload.get("pause", 0))
         if pause:
             await asyncio.sleep(pause)  # a handler that takes time, so a kill lands mid-flight
+        flag = cmd.payload.get("retry_once")
+        if flag and not Path(flag).exists():
+            Path(flag).touch()
+            raise Retry("not yet", delay=float(cmd.payload.get("retry", 1)))
         # The pid is not deterministic on purpose: the test wants to know which worker ran it.
         return [Event("stepped", {"seq": cmd.payload["seq"], "after": state.last, "pid": os.getpid()})]
 
