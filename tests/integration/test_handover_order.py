@@ -176,23 +176,29 @@ def a_partition_of(slots: set[str]) -> str:
 async def test_in_progress_after_the_new_owner_counted(
     private_server: EmbeddedServer, own_pg: str, tmp_path: Path
 ) -> None:
-    """The old owner stalls past its lease holding a slow group; the new owner counts what
-    it holds and waits for it to come due; the old owner runs again and its handler's
-    ``in_progress`` beats push those commands past that wait. Later commands of their
-    resources must still wait for them."""
+    """The old owner stalls past its lease holding as much as it may (12: no pull of its
+    own is open, so nothing tells it at once that it lost the partition); the new owner
+    counts what it holds and waits one ack wait for it; the old owner runs again and its
+    slow handlers' ``in_progress`` beats push those commands past that wait. Later
+    commands of their resources must still wait for them."""
+    timing = {"MESHFORGE_ACK_WAIT": "4s", "MESHFORGE_BACKOFF": "4s"}
     async with rig(private_server, own_pg, tmp_path) as r:
-        old, new = await two_workers(r)
+        old = r.start(MESHFORGE_BATCH_SIZE="1", **timing)
+        await r.owning({old.pid: 5}, "the first worker owning every slot")
+        new = r.start(**timing)
+        await r.owning({old.pid: 3, new.pid: 2}, "both workers owning their share")
         slot = a_partition_of(await r.slots_of(old))
         names = resources_in(slot, 2)
-        await r.send(names, range(3), pause=SLOW)
-        await wait_until(lambda: at(r.ack_pending(slot), 6), timeout=20, what="the slow group in flight")
+        await r.send(names, range(1), pause=SLOW)
+        await r.send(names, range(1, 6), pause=0.4)
+        await wait_until(lambda: at(r.ack_pending(slot), 12), timeout=20, what="12 commands held by the owner")
         os.kill(old.pid, signal.SIGSTOP)
         try:
             counted = rf"seq_consumer_{slot}: \d+ unacknowledged"
             await wait_until(lambda: r.logged(new, counted), timeout=30, what=f"the new owner counting {slot}")
         finally:
             os.kill(old.pid, signal.SIGCONT)  # its keep-alive beats go out now
-        await r.send(names, range(3, 8))
+        await r.send(names, range(6, 10))
         await r.verify()
 
 
