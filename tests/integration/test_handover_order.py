@@ -102,6 +102,21 @@ class Rig:
         info = await self.conn.js.consumer_info(STREAM_COMMANDS, f"seq_consumer_{slot}")
         return int(info.num_ack_pending)
 
+    @contextlib.asynccontextmanager
+    async def naks(self, slot: str) -> AsyncIterator[asyncio.Event]:
+        """Set when the server has taken a nak on ``slot``'s durable (its advisory)."""
+        naked = asyncio.Event()
+
+        async def seen(_: Any) -> None:
+            naked.set()
+
+        subject = f"$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.{STREAM_COMMANDS}.seq_consumer_{slot}"
+        sub = await self.conn.nc.subscribe(subject, cb=seen)
+        try:
+            yield naked
+        finally:
+            await sub.unsubscribe()
+
     def logged(self, proc: subprocess.Popen[bytes], pattern: str) -> bool:
         return re.search(pattern, self.logs[proc.pid].read_text(errors="replace")) is not None
 
@@ -181,7 +196,9 @@ async def test_in_progress_after_the_new_owner_counted(
     counts what it holds and waits one ack wait for it; the old owner runs again and its
     slow handlers' ``in_progress`` beats push those commands past that wait. Later
     commands of their resources must still wait for them."""
-    timing = {"MESHFORGE_ACK_WAIT": "4s", "MESHFORGE_BACKOFF": "4s"}
+    # An ack wait well over the lease: the stop ends (1 s after the count) before what it
+    # holds comes due, with every keep-alive beat overdue.
+    timing = {"MESHFORGE_ACK_WAIT": "6s", "MESHFORGE_BACKOFF": "6s"}
     async with rig(private_server, own_pg, tmp_path) as r:
         old = r.start(MESHFORGE_BATCH_SIZE="1", **timing)
         await r.owning({old.pid: 5}, "the first worker owning every slot")
@@ -189,13 +206,14 @@ async def test_in_progress_after_the_new_owner_counted(
         await r.owning({old.pid: 3, new.pid: 2}, "both workers owning their share")
         slot = a_partition_of(await r.slots_of(old))
         names = resources_in(slot, 2)
-        await r.send(names, range(1), pause=SLOW)
+        await r.send(names, range(1), pause=2.2)  # over a third of the ack wait, under half
         await r.send(names, range(1, 6), pause=0.4)
         await wait_until(lambda: at(r.ack_pending(slot), 12), timeout=20, what="12 commands held by the owner")
         os.kill(old.pid, signal.SIGSTOP)
         try:
             counted = rf"seq_consumer_{slot}: \d+ unacknowledged"
             await wait_until(lambda: r.logged(new, counted), timeout=30, what=f"the new owner counting {slot}")
+            await asyncio.sleep(1.0)  # the fault's length: its beats then push past the count's wait
         finally:
             os.kill(old.pid, signal.SIGCONT)  # its keep-alive beats go out now
         await r.send(names, range(6, 10))
@@ -258,9 +276,9 @@ async def test_sigkill_of_the_owner_mid_flight(
         old, new = await two_workers(r)
         slot = a_partition_of(await r.slots_of(old))
         head, slow = resources_in(slot, 2)
-        flag = tmp_path / "retried"
-        await r.send([head], range(1), retry_once=str(flag), retry=8)
-        await wait_until(flag.exists, timeout=20, what="the head's first attempt")
+        async with r.naks(slot) as naked:
+            await r.send([head], range(1), retry_once=str(tmp_path / "retried"), retry=8)
+            await wait_until(naked.is_set, timeout=20, what="the head nak'ed for 8 s")
         await r.send([slow], range(3), pause=SLOW)
         await wait_until(lambda: at(r.ack_pending(slot), 4), timeout=20, what="the slow group in flight")
         old.kill()
@@ -281,9 +299,9 @@ async def test_sigstop_of_the_owner_past_its_lease(
         old, new = await two_workers(r)
         slot = a_partition_of(await r.slots_of(old))
         head, slow = resources_in(slot, 2)
-        flag = tmp_path / "retried"
-        await r.send([head], range(1), retry_once=str(flag), retry=8)
-        await wait_until(flag.exists, timeout=20, what="the head's first attempt")
+        async with r.naks(slot) as naked:
+            await r.send([head], range(1), retry_once=str(tmp_path / "retried"), retry=8)
+            await wait_until(naked.is_set, timeout=20, what="the head nak'ed for 8 s")
         await r.send([slow], range(3), pause=SLOW)
         await wait_until(lambda: at(r.ack_pending(slot), 4), timeout=20, what="the slow group in flight")
         os.kill(old.pid, signal.SIGSTOP)
