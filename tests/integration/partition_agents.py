@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import msgspec
 
@@ -16,6 +15,15 @@ from meshforge.runtime.agent import Agent, Event, command
 class Seen(msgspec.Struct):
     last: int = -1
     count: int = 0
+
+
+def _first(flag: str) -> bool:
+    """Whether this is the first attempt of all workers (it creates the file ``flag``)."""
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 class SequenceAgent(Agent[Seen]):
@@ -31,8 +39,7 @@ class SequenceAgent(Agent[Seen]):
         if pause:
             await asyncio.sleep(pause)  # a handler that takes time, so a kill lands mid-flight
         flag = cmd.payload.get("retry_once")
-        if flag and not Path(flag).exists():
-            Path(flag).touch()
+        if flag and _first(flag):
             raise Retry("not yet", delay=float(cmd.payload.get("retry", 1)))
         # The pid is not deterministic on purpose: the test wants to know which worker ran it.
         return [Event("stepped", {"seq": cmd.payload["seq"], "after": state.last, "pid": os.getpid()})]
