@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -117,8 +118,11 @@ class Rig:
         finally:
             await sub.unsubscribe()
 
+    def found(self, proc: subprocess.Popen[bytes], pattern: str) -> re.Match[str] | None:
+        return re.search(pattern, self.logs[proc.pid].read_text(errors="replace"))
+
     def logged(self, proc: subprocess.Popen[bytes], pattern: str) -> bool:
-        return re.search(pattern, self.logs[proc.pid].read_text(errors="replace")) is not None
+        return self.found(proc, pattern) is not None
 
     async def verify(self) -> None:
         """Every command applied once, in stored order, per resource; the store agrees."""
@@ -166,10 +170,10 @@ async def rig(server: EmbeddedServer, store: str, tmp: Path) -> AsyncIterator[Ri
         await conn.close()
 
 
-def resources_in(slot: str, count: int, prefix: str = "r") -> list[str]:
+def resources_in(slot: str, count: int) -> list[str]:
     """``count`` resource names whose commands go to partition ``slot``."""
-    names = (f"{prefix}{i}" for i in range(10_000))
-    return [n for n in names if f"p{partition_of(n, PARTITIONS)}" == slot][:count]
+    names = (f"r{i}" for i in itertools.count())
+    return list(itertools.islice((n for n in names if f"p{partition_of(n, PARTITIONS)}" == slot), count))
 
 
 async def two_workers(r: Rig, **second: str) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
@@ -218,6 +222,9 @@ async def test_in_progress_after_the_new_owner_counted(
             os.kill(old.pid, signal.SIGCONT)  # its keep-alive beats go out now
         await r.send(names, range(6, 10))
         await r.verify()
+        # The case happened: some of what it held came due after the new owner's wait.
+        took = r.found(new, rf"seq_consumer_{slot}: took back (\d+) of 12")
+        assert took is not None and int(took[1]) < 12, "the old owner's beats extended nothing"
 
 
 async def test_more_held_than_the_new_owner_may_hold(
@@ -241,6 +248,7 @@ async def test_more_held_than_the_new_owner_may_hold(
         await r.owning({new.pid: 5}, "the new owner owning every slot")
         await r.send(names, range(7, 10))
         await r.verify()
+        assert r.logged(new, rf"seq_consumer_{slot}: took back 12 of 21"), "the new owner could hold all"
 
 
 async def test_clean_hand_back_with_work_in_flight(
@@ -264,6 +272,7 @@ async def test_clean_hand_back_with_work_in_flight(
             with contextlib.suppress(asyncio.CancelledError):
                 await feeding
         await r.verify()
+        assert r.logged(old, r"nak'ed \d+ unfinished"), "the hand-back finished its work in time"
 
 
 async def test_sigkill_of_the_owner_mid_flight(
