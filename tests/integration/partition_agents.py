@@ -8,6 +8,7 @@ import os
 import msgspec
 
 from meshforge.envelope import Envelope
+from meshforge.errors import Retry
 from meshforge.runtime.agent import Agent, Event, command
 
 
@@ -16,8 +17,19 @@ class Seen(msgspec.Struct):
     count: int = 0
 
 
+def _first(flag: str) -> bool:
+    """Whether this is the first attempt of all workers (it creates the file ``flag``)."""
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 class SequenceAgent(Agent[Seen]):
-    """``step {"seq", "pause"?}`` on a resource: emits ``stepped`` with the seq before it."""
+    """``step {"seq", "pause"?, "retry_once"?, "retry"?}`` on a resource: emits ``stepped``
+    with the seq before it. ``retry_once`` names a file: the first attempt in any worker
+    creates it and returns ``Retry(delay=retry)`` (a head nak'ed past the ack wait)."""
 
     name = "seq"
 
@@ -26,6 +38,9 @@ class SequenceAgent(Agent[Seen]):
         pause = float(cmd.payload.get("pause", 0))
         if pause:
             await asyncio.sleep(pause)  # a handler that takes time, so a kill lands mid-flight
+        flag = cmd.payload.get("retry_once")
+        if flag and _first(flag):
+            raise Retry("not yet", delay=float(cmd.payload.get("retry", 1)))
         # The pid is not deterministic on purpose: the test wants to know which worker ran it.
         return [Event("stepped", {"seq": cmd.payload["seq"], "after": state.last, "pid": os.getpid()})]
 
