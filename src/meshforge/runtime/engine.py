@@ -234,7 +234,8 @@ class Engine(Generic[S]):
         except BaseException as exc:
             for batch in group:
                 if not batch.done.done():
-                    batch.done.set_exception(exc)
+                    # A cancelled group's waiters were cancelled with it: nobody reads these.
+                    batch.done.cancel() if isinstance(exc, asyncio.CancelledError) else batch.done.set_exception(exc)
             raise
         if overlapping:
             crash_point("after_commit_while_publishing")
