@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from nats.js import JetStreamContext
@@ -109,3 +110,29 @@ async def sign_in(tab: Page, base: str, token: str, name: str) -> None:
     await tab.fill("input[name=token]", token)
     await tab.click("#sign-in")
     await tab.wait_for_selector("#who")
+
+
+@contextlib.contextmanager
+def node_process(nats_url: str, home: Path, site: str, node: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``meshforge node SITE NODE`` as a child, announcing itself every second."""
+    args = [sys.executable, "-m", "meshforge", "node", site, node,
+            "--nats-url", nats_url, "--store", f"sqlite:///{home / 'node.db'}",
+            "--presence-interval", "1"]  # fmt: skip
+    with (home / "node.log").open("wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=home)
+    try:
+        yield proc
+    finally:
+        stop_child(proc)
+
+
+def stop_child(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 15 s: a child of a test never outlives it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 
 import pytest
-from console_support import OPERATOR_TOKEN, VIEWER_TOKEN, ConsoleProcess, sign_in
+from console_support import OPERATOR_TOKEN, VIEWER_TOKEN, ConsoleProcess, node_process, sign_in
 from playwright.async_api import Page, expect
 
 from meshforge.server import EmbeddedServer
@@ -20,20 +17,8 @@ DocShot = Callable[[Page, str], Awaitable[None]]
 @pytest.fixture(scope="module")
 def demo_node(console_server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """``meshforge node lab1 n1``: the demo node, announcing itself every second."""
-    home = tmp_path_factory.mktemp("node")
-    args = [sys.executable, "-m", "meshforge", "node", "lab1", "n1",
-            "--nats-url", console_server.url, "--store", f"sqlite:///{home / 'node.db'}",
-            "--presence-interval", "1"]  # fmt: skip
-    with (home / "node.log").open("wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=home)
-    yield
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-    assert Path(home / "node.log").exists()
+    with node_process(console_server.url, tmp_path_factory.mktemp("node"), "lab1", "n1"):
+        yield
 
 
 async def test_an_operator_sends_a_command_to_a_node_and_sees_its_reply(

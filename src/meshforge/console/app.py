@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshforge.config import Settings
 from meshforge.connection import connect
-from meshforge.console import letters, pages
+from meshforge.console import jobs, letters, pages
 from meshforge.console.auth import CSP, SECURITY_HEADERS, ConsoleTokens
 from meshforge.console.web import HERE, Console
 
@@ -97,6 +97,7 @@ def create_app(
     routes = [
         *pages.routes,
         *letters.routes,
+        *jobs.routes,
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
