@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from meshforge.server import DataDirLock, EmbeddedServer
+from meshforge.transport.server import DataDirLock, EmbeddedServer
 
 if TYPE_CHECKING:
     from rich.console import Console

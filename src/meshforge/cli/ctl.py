@@ -108,9 +108,10 @@ async def _send(
     wait: float,
     command_id: str | None,
 ) -> int:
-    from meshforge.connection import connect
     from meshforge.control.client import ControlClient
-    from meshforge.topology import default_streams, ensure
+    from meshforge.topology.provision import ensure
+    from meshforge.topology.specs import default_streams
+    from meshforge.transport.connection import connect
 
     async with await connect(settings, url=url, name="meshforge-ctl") as conn:
         if settings.provision:
@@ -163,8 +164,8 @@ def reply(
 async def _reply(
     url: str, settings: Settings, site: str, name: str, command_id: str, wait: float
 ) -> Reply | None:
-    from meshforge.connection import connect
     from meshforge.control.client import ControlClient
+    from meshforge.transport.connection import connect
 
     async with await connect(settings, url=url, name="meshforge-ctl") as conn:
         # At least a moment, so the replies already stored are read through.
@@ -215,8 +216,8 @@ def status(
 
 
 async def _status(url: str, settings: Settings, site: str, name: str) -> dict[str, Any]:
-    from meshforge.connection import connect
     from meshforge.control.client import ControlClient
+    from meshforge.transport.connection import connect
 
     async with await connect(settings, url=url, name="meshforge-ctl") as conn:
         return (await ControlClient(conn, settings=settings).status(site, name)).to_dict()
@@ -256,8 +257,8 @@ def nodes(
 
 
 async def _nodes(url: str, settings: Settings, site: str | None) -> list[dict[str, Any]]:
-    from meshforge.connection import connect
     from meshforge.control.fleet import list_nodes
+    from meshforge.transport.connection import connect
 
     async with await connect(settings, url=url, name="meshforge-ctl") as conn:
         return [row.to_dict() for row in await list_nodes(conn.js, site)]

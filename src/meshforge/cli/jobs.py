@@ -13,8 +13,8 @@ from meshforge.cli.common import MetricsHost, MetricsPort, NatsUrl, nats_target
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
-    from meshforge.connection import Connection
     from meshforge.control.jobs import JobSpec
+    from meshforge.transport.connection import Connection
 
 job_app = typer.Typer(
     name="job",
@@ -116,7 +116,7 @@ def create(
 
 
 async def _connect(url: str, settings: Settings) -> Connection:
-    from meshforge.connection import connect
+    from meshforge.transport.connection import connect
 
     return await connect(settings, url=url, name="meshforge-ctl")
 
@@ -128,7 +128,8 @@ async def _create(
     from meshforge.control.fleet import announcements
     from meshforge.control.jobs import JobSpec, JobStore
     from meshforge.errors import ConfigError
-    from meshforge.topology import default_streams, ensure
+    from meshforge.topology.provision import ensure
+    from meshforge.topology.specs import default_streams
 
     async with await _connect(url, settings) as conn:
         if settings.provision:
@@ -151,7 +152,7 @@ async def _create(
 
 async def _drive(conn: Connection, store: Any, spec: JobSpec, settings: Settings) -> int:
     from meshforge.control.rollout import JobController
-    from meshforge.observability import Metrics, serve_http
+    from meshforge.ops.observability import Metrics, serve_http
 
     metrics = Metrics()
     endpoint = None

@@ -31,7 +31,6 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from meshforge.connection import Connection
 from meshforge.control.client import ControlClient
 from meshforge.control.jobs import (
     FAILED_STATES,
@@ -46,9 +45,10 @@ from meshforge.control.jobs import (
 from meshforge.control.reply import Reply
 from meshforge.envelope import H_CAUSATION, decode, now_ts
 from meshforge.errors import MalformedMessage
-from meshforge.faults import crash_point
-from meshforge.observability import Metrics
-from meshforge.subjects import STREAM_REPLIES
+from meshforge.ops.faults import crash_point
+from meshforge.ops.observability import Metrics
+from meshforge.topology.subjects import STREAM_REPLIES
+from meshforge.transport.connection import Connection
 
 __all__ = ["JobController", "figures", "summarize"]
 

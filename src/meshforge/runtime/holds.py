@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshforge.errors import one_line
-from meshforge.scope import Scope
+from meshforge.topology.scope import Scope
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
 
     from meshforge.runtime.effects import Work
     from meshforge.store.base import Transaction
-    from meshforge.topology import ConsumerSpec
+    from meshforge.topology.specs import ConsumerSpec
 
 __all__ = ["HoldView", "Holds", "Slot", "list_holds", "release", "seed_from_stream", "stream_has"]
 
