@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from meshforge.cli.common import NatsUrl, nats_target
+from meshforge.cli.common import NatsUrl, json_payload, nats_target
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
@@ -26,20 +26,6 @@ def register(app: typer.Typer) -> None:
 
     ctl_app.add_typer(job_app, name="job")
     app.add_typer(ctl_app, name="ctl")
-
-
-def _payload(text: str | None) -> dict[str, Any]:
-    if text is None or not text.strip():
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint="JSON") from None
-    if not isinstance(value, dict):
-        raise typer.BadParameter(
-            f"expected a JSON object, got {type(value).__name__}", param_hint="JSON"
-        )
-    return value
 
 
 @ctl_app.command("send")
@@ -83,7 +69,7 @@ def send(
     from meshforge.config import load_settings
     from meshforge.control.client import to_timestamp
 
-    body = _payload(payload)
+    body = json_payload(payload)
     # Times are fixed now, before connecting, so "30s" means 30 s from when it was typed.
     nb = to_timestamp(not_before, what="--not-before")
     dl = to_timestamp(deadline, what="--deadline")

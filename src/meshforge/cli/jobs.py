@@ -96,11 +96,11 @@ def create(
     """Create a job and drive it to its end (exit 1 unless every node SUCCEEDED).
 
     Its state lives in JetStream: if this process dies, `meshforge ctl job run JOB` goes on."""
-    from meshforge.cli.ctl import _payload
+    from meshforge.cli.common import json_payload
     from meshforge.config import load_settings
     from meshforge.control.client import to_timestamp
 
-    body = _payload(payload)
+    body = json_payload(payload)
     named = _targets(site or [], node or [], nodes_file)
     options = {
         "rate": rate, "abort_after": abort_after, "min_done": min_done, "retries": retries,
