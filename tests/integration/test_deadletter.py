@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from meshforge.cli import app
 from meshforge.config import Settings, load_settings
+from meshforge.deadletters.admin import DeadLetters
 from meshforge.deadletters.route import (
     H_DLQ_CONSUMER,
     H_DLQ_DELIVERIES,
@@ -25,7 +26,6 @@ from meshforge.deadletters.route import (
     H_DLQ_STREAM_SEQ,
     H_DLQ_TIMESTAMP,
     REASONS,
-    DeadLetters,
     dead_letter,
     redrive_id,
 )
