@@ -34,6 +34,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: $(STAMP) browser lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 -n $(TEST_JOBS) --dist loadfile

@@ -27,10 +27,11 @@ from nats.aio.msg import Msg
 
 from meshforge.cli.demo_support import meshforge_command
 from meshforge.config import load_settings
-from meshforge.connection import connect
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_EVENTS
-from meshforge.topology import agent_consumer, default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import agent_consumer, default_streams
+from meshforge.topology.subjects import STREAM_EVENTS
+from meshforge.transport.connection import connect
+from meshforge.transport.server import EmbeddedServer
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

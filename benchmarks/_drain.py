@@ -27,12 +27,13 @@ import nats
 from meshforge.cli.demo_support import meshforge_command
 from meshforge.config import load_settings
 from meshforge.envelope import Envelope, Outbound
-from meshforge.observability import Metrics
-from meshforge.publisher import Publisher
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
 from meshforge.runtime import Agent, Event, Output, command
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_COMMANDS
-from meshforge.topology import agent_consumer, default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import agent_consumer, default_streams
+from meshforge.topology.subjects import STREAM_COMMANDS
+from meshforge.transport.server import EmbeddedServer
 
 HERE = Path(__file__).parent
 SUBJECT = "cmd.default.bench.drain.work"

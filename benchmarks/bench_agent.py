@@ -33,7 +33,7 @@ from _variants import command_body
 from rich.table import Table
 
 from meshforge.envelope import Outbound
-from meshforge.publisher import Publisher
+from meshforge.publish.publisher import Publisher
 
 F1_FLOOR, F2_FLOOR, F4_FLOOR = 1.0, 4.0, 0.8
 

@@ -28,10 +28,11 @@ from _floors import floor
 from rich.table import Table
 
 from meshforge.config import load_settings
-from meshforge.connection import Connection, connect
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_FAILED
-from meshforge.topology import default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_FAILED
+from meshforge.transport.connection import Connection, connect
+from meshforge.transport.server import EmbeddedServer
 
 TOKEN = "bench-operator-token"
 BODY = b'{"id":"x","type":"bench.create","payload":{"n":' + b"0" * 80 + b"}}"

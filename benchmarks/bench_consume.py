@@ -22,13 +22,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import BODY_SIZE, console, report, timed
 
 from meshforge.config import load_settings
-from meshforge.connection import connect
-from meshforge.consumer import Consumer
-from meshforge.decisions import Decision, Delivery
+from meshforge.consume.consumer import Consumer
+from meshforge.consume.decisions import Decision, Delivery
 from meshforge.envelope import Envelope, Outbound
-from meshforge.observability import Metrics
-from meshforge.publisher import Publisher
-from meshforge.server import EmbeddedServer
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
+from meshforge.transport.connection import connect
+from meshforge.transport.server import EmbeddedServer
 
 BATCH = 100
 VARIANTS = ("raw", "fs", "mf")

@@ -35,7 +35,7 @@ from _floors import floor
 from _variants import LAG_TAG, command_body
 from rich.table import Table
 
-from meshforge.publisher import Publisher
+from meshforge.publish.publisher import Publisher
 
 F3_FLOOR = 1.0  # the agent's p50 and p99 over FastStream's
 F3_RATE = 1000

@@ -44,13 +44,14 @@ from _floors import floor
 
 from meshforge.cli.demo_support import read_stream
 from meshforge.config import Settings, load_settings
-from meshforge.connection import connect
 from meshforge.envelope import Envelope, Outbound, decode
-from meshforge.partitions import BUCKET, ensure_bucket, partition_of, partitioned
-from meshforge.publisher import Publisher
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS
-from meshforge.topology import default_streams, ensure, partition_consumers
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.partitions import BUCKET, ensure_bucket, partition_of, partitioned
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams, partition_consumers
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_EVENTS
+from meshforge.transport.connection import connect
+from meshforge.transport.server import EmbeddedServer
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

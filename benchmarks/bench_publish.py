@@ -6,7 +6,7 @@ its own fresh stream and waits for every PubAck, with the same number of PubAcks
 
 - nats-py ``publish_async`` (its own pipelining, ``publish_async_max_pending=256``),
   then ``publish_async_completed()``: the baseline, on a stock nats-py client and on a
-  MeshForge connection (``meshforge.connection.connect``, as the worker and relay use);
+  MeshForge connection (``meshforge.transport.connection.connect``, as the worker and relay use);
 - MeshForge ``Publisher.publish_many`` (retries, results, metrics) on each of the same
   two clients, and the outbox variants on the MeshForge connection;
 - the outbox: 100 rows enqueued per SQLite transaction (``enqueue_many``: one INSERT)
@@ -40,14 +40,14 @@ from _floors import floor
 from rich.table import Table
 
 from meshforge.config import load_settings
-from meshforge.connection import connect
 from meshforge.envelope import Envelope, Outbound
-from meshforge.observability import Metrics
-from meshforge.outbox import OutboxRelay, enqueue_many
-from meshforge.publisher import Publisher
-from meshforge.server import EmbeddedServer
+from meshforge.ops.observability import Metrics
+from meshforge.publish.outbox import OutboxRelay, enqueue_many
+from meshforge.publish.publisher import Publisher
 from meshforge.store import open_store
 from meshforge.store.base import Store
+from meshforge.transport.connection import connect
+from meshforge.transport.server import EmbeddedServer
 
 PENDING = 256
 ROWS_PER_TX = 100

@@ -38,7 +38,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import BODY_SIZE, CpuMeter, console, machine
 
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 
 STREAM, SUBJECT = "BENCH_READ", "bench.read"
 

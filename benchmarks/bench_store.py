@@ -33,8 +33,8 @@ from _common import BODY_SIZE, console, machine
 from _floors import floor
 from rich.table import Table
 
-from meshforge.scope import DEFAULT_SCOPE
 from meshforge.store import NewEffect, NewEvent, NewState, Store, StoredOutput, open_store
+from meshforge.topology.scope import DEFAULT_SCOPE
 
 BATCH = 64
 RESOURCES = 1000

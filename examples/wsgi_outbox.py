@@ -19,7 +19,7 @@ from typing import Any
 
 from meshforge import Envelope, SyncPublisher
 from meshforge.errors import MeshForgeError, StoreError
-from meshforge.outbox import enqueue
+from meshforge.publish.outbox import enqueue
 from meshforge.store.base import Store
 
 RESERVE = "cmd.default.shop.inventory.reserve"

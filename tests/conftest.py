@@ -17,7 +17,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 
 # The packaged fixtures (meshforge_server, agent_harness, ...); the session server is theirs.
 pytest_plugins = ["meshforge.testing.plugin"]

@@ -22,11 +22,12 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from meshforge.config import Settings, load_settings
-    from meshforge.connection import Connection, connect
-    from meshforge.consumer import Consumer
+    from meshforge.consume.consumer import Consumer
+    from meshforge.consume.decisions import Action, Decision, Delivery
+    from meshforge.consume.inbox import with_inbox
     from meshforge.control import ControlClient, Node, NodeRuntime
-    from meshforge.deadletter import DeadLetters, dead_letter
-    from meshforge.decisions import Action, Decision, Delivery
+    from meshforge.deadletters.admin import DeadLetters
+    from meshforge.deadletters.route import dead_letter
     from meshforge.envelope import Envelope, Outbound, decode
     from meshforge.errors import (
         ConfigError,
@@ -38,31 +39,32 @@ if TYPE_CHECKING:
         Retry,
         Unrecoverable,
     )
-    from meshforge.inbox import with_inbox
-    from meshforge.observability import Metrics
-    from meshforge.outbox import OutboxRelay
-    from meshforge.publisher import Publisher, PublishResult
+    from meshforge.ops.observability import Metrics
+    from meshforge.publish.outbox import OutboxRelay
+    from meshforge.publish.publisher import Publisher, PublishResult
+    from meshforge.publish.sync import SyncPublisher
     from meshforge.runtime import Agent, Engine, Event, Send, command, replay
-    from meshforge.scope import Scope
-    from meshforge.server import EmbeddedServer
     from meshforge.store import open_store
-    from meshforge.sync_publisher import SyncPublisher
-    from meshforge.topology import agent_consumer, default_streams, ensure, node_consumer, verify
+    from meshforge.topology.provision import ensure, verify
+    from meshforge.topology.scope import Scope
+    from meshforge.topology.specs import agent_consumer, default_streams, node_consumer
+    from meshforge.transport.connection import Connection, connect
+    from meshforge.transport.server import EmbeddedServer
 
 _WHERE = {
     "Settings": "config",
     "load_settings": "config",
-    "Connection": "connection",
-    "connect": "connection",
-    "Consumer": "consumer",
+    "Connection": "transport.connection",
+    "connect": "transport.connection",
+    "Consumer": "consume.consumer",
     "ControlClient": "control",
     "Node": "control",
     "NodeRuntime": "control",
-    "DeadLetters": "deadletter",
-    "dead_letter": "deadletter",
-    "Action": "decisions",
-    "Decision": "decisions",
-    "Delivery": "decisions",
+    "DeadLetters": "deadletters.admin",
+    "dead_letter": "deadletters.route",
+    "Action": "consume.decisions",
+    "Decision": "consume.decisions",
+    "Delivery": "consume.decisions",
     "Envelope": "envelope",
     "Outbound": "envelope",
     "decode": "envelope",
@@ -74,26 +76,26 @@ _WHERE = {
     "Rejected": "errors",
     "Retry": "errors",
     "Unrecoverable": "errors",
-    "with_inbox": "inbox",
-    "Metrics": "observability",
-    "OutboxRelay": "outbox",
-    "Publisher": "publisher",
-    "PublishResult": "publisher",
+    "with_inbox": "consume.inbox",
+    "Metrics": "ops.observability",
+    "OutboxRelay": "publish.outbox",
+    "Publisher": "publish.publisher",
+    "PublishResult": "publish.publisher",
     "Agent": "runtime",
     "Engine": "runtime",
     "Event": "runtime",
     "Send": "runtime",
     "command": "runtime",
     "replay": "runtime",
-    "EmbeddedServer": "server",
-    "Scope": "scope",
+    "EmbeddedServer": "transport.server",
+    "Scope": "topology.scope",
     "open_store": "store",
-    "SyncPublisher": "sync_publisher",
-    "agent_consumer": "topology",
-    "default_streams": "topology",
-    "ensure": "topology",
-    "node_consumer": "topology",
-    "verify": "topology",
+    "SyncPublisher": "publish.sync",
+    "agent_consumer": "topology.specs",
+    "default_streams": "topology.specs",
+    "ensure": "topology.provision",
+    "node_consumer": "topology.specs",
+    "verify": "topology.provision",
 }
 
 __all__ = [

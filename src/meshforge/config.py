@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from meshforge.credentials import redact_url
 from meshforge.errors import ConfigError
+from meshforge.transport.credentials import redact_url
 
 __all__ = [
     "ENV_PREFIX",
@@ -273,7 +273,7 @@ def _subject_token(value: object) -> str:
 
 def _inbox_prefix(value: object) -> str:
     from meshforge.errors import InvalidSubject
-    from meshforge.subjects import validate_subject
+    from meshforge.topology.subjects import validate_subject
 
     text = _text(value)
     try:
@@ -283,7 +283,7 @@ def _inbox_prefix(value: object) -> str:
 
 
 def _nkey_seed(value: object) -> str:
-    from meshforge.credentials import check_nkey_seed
+    from meshforge.transport.credentials import check_nkey_seed
 
     text = _text(value)
     try:

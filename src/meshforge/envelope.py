@@ -318,7 +318,7 @@ def decode(
     """Parse an envelope; headers win over the body for the same fact.
 
     The body's own ``tenant_id`` is kept in ``body_tenant_id`` so admission can compare
-    header, body and subject (the subject decides; see ``meshforge.scope``).
+    header, body and subject (the subject decides; see ``meshforge.topology.scope``).
 
     A missing ``id`` becomes the ``Nats-Msg-Id`` header or an id derived from the bytes
     (so redeliveries agree); a missing ``ts`` becomes ``default_ts`` (e.g. the stream's

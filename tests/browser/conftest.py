@@ -24,10 +24,11 @@ from console_support import (
 from playwright.async_api import Browser, Page, async_playwright
 
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection, connect
-from meshforge.server import EmbeddedServer
 from meshforge.testing.plugin import TEST_SETTINGS
-from meshforge.topology import default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.transport.connection import Connection, connect
+from meshforge.transport.server import EmbeddedServer
 
 CHROMIUM = os.environ.get("MESHFORGE_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
 SCREENSHOTS = Path(os.environ.get("MESHFORGE_SCREENSHOT_DIR", ROOT / ".meshforge" / "screenshots"))

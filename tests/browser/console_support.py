@@ -17,7 +17,7 @@ from nats.js import JetStreamContext
 from playwright.async_api import Page
 
 from meshforge.envelope import Envelope, now_ts
-from meshforge.subjects import DEAD_LETTER_PREFIX, STREAM_FAILED
+from meshforge.topology.subjects import DEAD_LETTER_PREFIX, STREAM_FAILED
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_IMAGES = ROOT / "docs" / "img"

@@ -19,9 +19,9 @@ from console_support import (
 )
 from playwright.async_api import Page, expect
 
-from meshforge.connection import Connection
 from meshforge.control.jobs import JobSpec, JobStore
-from meshforge.server import EmbeddedServer
+from meshforge.transport.connection import Connection
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 DocShot = Callable[[Page, str], Awaitable[None]]

@@ -20,14 +20,14 @@ from console_support import (
 from playwright.async_api import Page, expect
 
 from meshforge.config import Settings
-from meshforge.connection import Connection
-from meshforge.deadletter import DeadLetters
+from meshforge.deadletters.admin import DeadLetters
+from meshforge.deadletters.originals import keep_original
 from meshforge.demo import InventoryAgent
-from meshforge.originals import keep_original
-from meshforge.publisher import Publisher
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_COMMANDS
+from meshforge.publish.publisher import Publisher
 from meshforge.testing.live import WorkerHarness
+from meshforge.topology.subjects import STREAM_COMMANDS
+from meshforge.transport.connection import Connection
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 DocShot = Callable[[Page, str], Awaitable[None]]

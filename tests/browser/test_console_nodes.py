@@ -8,7 +8,7 @@ import pytest
 from console_support import OPERATOR_TOKEN, VIEWER_TOKEN, ConsoleProcess, node_process, sign_in
 from playwright.async_api import Page, expect
 
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 DocShot = Callable[[Page, str], Awaitable[None]]

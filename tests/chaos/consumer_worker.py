@@ -14,10 +14,10 @@ import sys
 from typing import TextIO
 
 from meshforge.config import load_settings
-from meshforge.connection import connect
-from meshforge.consumer import Consumer, Delivery
-from meshforge.observability import Metrics
-from meshforge.topology import agent_consumer
+from meshforge.consume.consumer import Consumer, Delivery
+from meshforge.ops.observability import Metrics
+from meshforge.topology.specs import agent_consumer
+from meshforge.transport.connection import connect
 
 
 async def main(url: str, agent: str, log: TextIO, seconds: float, shutdown: float) -> None:

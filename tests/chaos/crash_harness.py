@@ -24,16 +24,17 @@ from pathlib import Path
 
 from meshforge.cli.demo_support import AgentProcess, StreamMessage, read_stream
 from meshforge.config import load_settings
-from meshforge.connection import Connection, connect
 from meshforge.demo import InventoryAgent, OrderAgent
 from meshforge.envelope import Envelope, Outbound, derive_id
-from meshforge.publisher import Publisher
+from meshforge.publish.publisher import Publisher
 from meshforge.runtime.agent import derive_uuid
 from meshforge.runtime.replay import replay, state_hash
-from meshforge.server import EmbeddedServer
 from meshforge.store import Store, StoredEvent, open_store
-from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
-from meshforge.topology import agent_consumer, default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import agent_consumer, default_streams
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
+from meshforge.transport.connection import Connection, connect
+from meshforge.transport.server import EmbeddedServer
 
 AGENTS = ["meshforge.demo:OrderAgent", "meshforge.demo:InventoryAgent"]
 SKUS = [f"SKU{i}" for i in range(5)]

@@ -34,15 +34,16 @@ from order_oracle import Command, Outcome, WireEvent, check
 
 from meshforge.cli.demo_support import AgentProcess, read_stream
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection, connect
 from meshforge.envelope import Envelope, Outbound
-from meshforge.partitions import ensure_bucket, partitioned
-from meshforge.publisher import Publisher
-from meshforge.scope import Scope
-from meshforge.server import EmbeddedServer
+from meshforge.publish.publisher import Publisher
 from meshforge.store import open_store
-from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
-from meshforge.topology import agent_consumer, default_streams, ensure, partition_consumers
+from meshforge.topology.partitions import ensure_bucket, partitioned
+from meshforge.topology.provision import ensure
+from meshforge.topology.scope import Scope
+from meshforge.topology.specs import agent_consumer, default_streams, partition_consumers
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
+from meshforge.transport.connection import Connection, connect
+from meshforge.transport.server import EmbeddedServer
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"

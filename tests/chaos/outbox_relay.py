@@ -13,12 +13,12 @@ import sys
 from typing import TextIO
 
 from meshforge.config import load_settings
-from meshforge.connection import connect
-from meshforge.observability import Metrics
-from meshforge.outbox import OutboxRelay
-from meshforge.publisher import Publisher
+from meshforge.ops.observability import Metrics
+from meshforge.publish.outbox import OutboxRelay
+from meshforge.publish.publisher import Publisher
 from meshforge.store import open_store
-from meshforge.subjects import STREAM_EVENTS
+from meshforge.topology.subjects import STREAM_EVENTS
+from meshforge.transport.connection import connect
 
 
 async def main(store_url: str, nats_url: str, out: TextIO, batch: int, lease: float) -> None:

@@ -9,12 +9,13 @@ from crash_harness import audit_events
 
 from meshforge.cli.demo_support import StreamMessage, read_stream
 from meshforge.config import load_settings
-from meshforge.connection import connect
 from meshforge.envelope import Envelope
-from meshforge.publisher import Publisher
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_EVENTS
-from meshforge.topology import default_streams, ensure
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_EVENTS
+from meshforge.transport.connection import connect
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 

@@ -14,13 +14,14 @@ import time
 import pytest
 from consumer_chaos import settings
 
-from meshforge.connection import connect
-from meshforge.consumer import Consumer, Delivery
+from meshforge.consume.consumer import Consumer, Delivery
 from meshforge.envelope import Envelope
-from meshforge.observability import Metrics
-from meshforge.publisher import Publisher
-from meshforge.server import EmbeddedServer
-from meshforge.topology import agent_consumer, default_streams, ensure
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import agent_consumer, default_streams
+from meshforge.transport.connection import connect
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 pytestmark = pytest.mark.slow

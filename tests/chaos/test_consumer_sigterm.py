@@ -19,8 +19,9 @@ from consumer_chaos import settings
 from nats.js import JetStreamContext
 
 from meshforge.envelope import Envelope
-from meshforge.subjects import STREAM_COMMANDS
-from meshforge.topology import agent_consumer, default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import agent_consumer, default_streams
+from meshforge.topology.subjects import STREAM_COMMANDS
 from polling import wait_until
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from crash_harness import crash_point_run, random_kill_run, scale
 
-from meshforge.faults import CRASH_POINTS
+from meshforge.ops.faults import CRASH_POINTS
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from order_checker import assert_order_holds, checked_run, report, seed_from_env
 
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 
 pytestmark = pytest.mark.slow
 

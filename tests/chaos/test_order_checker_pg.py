@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from order_checker import assert_order_holds
 
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

@@ -19,13 +19,14 @@ import pytest
 from nats.js import JetStreamContext
 
 from meshforge.config import load_settings
-from meshforge.connection import connect
 from meshforge.envelope import H_MSG_ID, Envelope
-from meshforge.outbox import enqueue
-from meshforge.server import EmbeddedServer
+from meshforge.publish.outbox import enqueue
 from meshforge.store import open_store
-from meshforge.subjects import STREAM_EVENTS
-from meshforge.topology import default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_EVENTS
+from meshforge.transport.connection import connect
+from meshforge.transport.server import EmbeddedServer
 
 SCALE = int(os.environ.get("CHAOS_SCALE", "1"))
 KILLS = 3 * SCALE

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nkeys
 
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 
 
 # ---------------------------------------------------------------- NKeys and JWTs

@@ -8,7 +8,7 @@ import pytest
 from consumer_support import connection, provision_all, settings
 from nats.js import JetStreamContext
 
-from meshforge.connection import Connection
+from meshforge.transport.connection import Connection
 
 
 @pytest.fixture

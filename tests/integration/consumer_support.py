@@ -13,11 +13,12 @@ from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection, connect
-from meshforge.consumer import Consumer
+from meshforge.consume.consumer import Consumer
 from meshforge.envelope import Envelope
-from meshforge.subjects import STREAM_FAILED
-from meshforge.topology import ConsumerSpec, agent_consumer, default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import ConsumerSpec, agent_consumer, default_streams
+from meshforge.topology.subjects import STREAM_FAILED
+from meshforge.transport.connection import Connection, connect
 from polling import wait_until
 
 

@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 
-from meshforge.subjects import STREAM_FAILED, STREAM_REPLIES
+from meshforge.topology.subjects import STREAM_FAILED, STREAM_REPLIES
 
 HERE = Path(__file__).resolve().parent
 MESHFORGE = Path(sys.executable).parent / "meshforge"

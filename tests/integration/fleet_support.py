@@ -13,9 +13,9 @@ from pathlib import Path
 from control_testnode import RecordingNode
 
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection, connect
 from meshforge.control.runtime import NodeRuntime
 from meshforge.store import open_store
+from meshforge.transport.connection import Connection, connect
 
 MESHFORGE = Path(sys.executable).parent / "meshforge"
 HERE = Path(__file__).resolve().parent

@@ -22,9 +22,9 @@ import psycopg
 import pytest
 from test_engine_support import consumer_idle, dead_letters_of, events_of, wait_until
 
-from meshforge.connection import Connection
 from meshforge.envelope import Envelope
 from meshforge.runtime import Agent, Event, Output, command
+from meshforge.transport.connection import Connection
 
 
 class Count(msgspec.Struct):

@@ -16,7 +16,7 @@ import nkeys
 import pytest
 from auth_support import configured_server, make_certs, make_operator, new_key, tls_block
 
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 
 TIMEOUT, ATTEMPTS = 1, 2
 BOUND = TIMEOUT * ATTEMPTS + 1.5  # connect bound + bounded close and backoff

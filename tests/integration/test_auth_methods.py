@@ -12,8 +12,8 @@ import pytest
 from auth_support import configured_server, make_certs, make_operator, new_key, tls_block
 
 from meshforge.config import Settings, load_settings
-from meshforge.connection import connect
 from meshforge.errors import ConfigError, ConnectionFailed
+from meshforge.transport.connection import connect
 
 TIMEOUT, ATTEMPTS = 1.0, 2
 # every attempt may take connect_timeout; a failed one adds a bounded close and backoff

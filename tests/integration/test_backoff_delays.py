@@ -19,9 +19,9 @@ from test_engine_support import (
     wait_until,
 )
 
-from meshforge.ack import Acker
+from meshforge.consume.ack import Acker
 from meshforge.envelope import Envelope
-from meshforge.observability import Metrics
+from meshforge.ops.observability import Metrics
 from meshforge.runtime import Agent, Event, Output, command
 
 BACKOFF = (0.5, 1.5, 3.0)

@@ -81,7 +81,7 @@ async def test_each_baseline_drains_a_backlog(kind: str, tmp_path: Path) -> None
     from _variants import command_body
 
     from meshforge.envelope import Outbound
-    from meshforge.publisher import Publisher
+    from meshforge.publish.publisher import Publisher
 
     n = 600
     async with bench(kind, tmp_path) as b:

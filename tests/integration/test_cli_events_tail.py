@@ -13,11 +13,12 @@ from typer.testing import CliRunner
 
 from meshforge.cli import app
 from meshforge.config import load_settings
-from meshforge.connection import connect
 from meshforge.envelope import Envelope
-from meshforge.publisher import Publisher
-from meshforge.server import EmbeddedServer
-from meshforge.topology import default_streams, ensure
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.transport.connection import connect
+from meshforge.transport.server import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from meshforge.cli import app
 from meshforge.demo import OrderAgent
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 
 
 def _cli(*args: str) -> tuple[int, str]:

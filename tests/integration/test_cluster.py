@@ -16,13 +16,13 @@ import pytest
 from nats.js import JetStreamContext
 
 from meshforge.cli.demo_support import AgentProcess, StreamMessage, meshforge_command, read_stream
-from meshforge.cluster import EmbeddedCluster
 from meshforge.config import load_settings
-from meshforge.connection import connect
 from meshforge.envelope import Envelope, Outbound
 from meshforge.errors import TopologyError
-from meshforge.publisher import Publisher
-from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
+from meshforge.transport.cluster import EmbeddedCluster
+from meshforge.transport.connection import connect
 from polling import wait_until, wait_until_sync
 
 pytestmark = pytest.mark.slow
@@ -237,7 +237,8 @@ async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(
 
 
 async def test_consumer_replicas_follow_the_streams_or_the_setting(tmp_path: Path) -> None:
-    from meshforge.topology import agent_consumer, default_streams, ensure, plan
+    from meshforge.topology.provision import ensure, plan
+    from meshforge.topology.specs import agent_consumer, default_streams
 
     async with EmbeddedCluster(3, data_dir=tmp_path / "cluster") as cluster:
         conn = await connect(load_settings({"nats_url": cluster.url}, env={}))

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection, connect, redact_url
 from meshforge.errors import ConfigError, ConnectionFailed
-from meshforge.server import EmbeddedServer
+from meshforge.transport.connection import Connection, connect, redact_url
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 

@@ -22,9 +22,8 @@ from consumer_support import (
 )
 from nats.js import JetStreamContext
 
-from meshforge.connection import Connection
-from meshforge.consumer import Consumer, Decision, Delivery
-from meshforge.deadletter import (
+from meshforge.consume.consumer import Consumer, Decision, Delivery
+from meshforge.deadletters.route import (
     H_DLQ_CONSUMER,
     H_DLQ_DELIVERIES,
     H_DLQ_ERROR,
@@ -36,9 +35,10 @@ from meshforge.deadletter import (
 )
 from meshforge.envelope import H_MSG_ID, Envelope
 from meshforge.errors import Expired, Rejected, Retry, Unrecoverable
-from meshforge.observability import Metrics
-from meshforge.subjects import STREAM_COMMANDS
-from meshforge.topology import agent_consumer
+from meshforge.ops.observability import Metrics
+from meshforge.topology.specs import agent_consumer
+from meshforge.topology.subjects import STREAM_COMMANDS
+from meshforge.transport.connection import Connection
 
 
 async def ack_pending(js: JetStreamContext, durable: str) -> int:

@@ -21,13 +21,13 @@ from consumer_support import (
 )
 from nats.js import JetStreamContext
 
-from meshforge.connection import Connection
-from meshforge.consumer import Consumer, Decision, Delivery, Handler
+from meshforge.consume.consumer import Consumer, Decision, Delivery, Handler
+from meshforge.consume.middleware.tracing import SPAN_ID, TRACE_ID
 from meshforge.envelope import Envelope
-from meshforge.middleware.tracing import SPAN_ID, TRACE_ID
-from meshforge.observability import Metrics
-from meshforge.subjects import STREAM_COMMANDS
-from meshforge.topology import agent_consumer
+from meshforge.ops.observability import Metrics
+from meshforge.topology.specs import agent_consumer
+from meshforge.topology.subjects import STREAM_COMMANDS
+from meshforge.transport.connection import Connection
 
 
 @contextlib.asynccontextmanager

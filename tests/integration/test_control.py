@@ -20,14 +20,19 @@ from typer.testing import CliRunner, Result
 
 from meshforge.cli import app
 from meshforge.config import load_settings
-from meshforge.connection import Connection, connect
 from meshforge.control import ControlClient, Reply, node_durable
 from meshforge.control.runtime import NodeRuntime
 from meshforge.demo import DemoNode
 from meshforge.errors import ConfigError
 from meshforge.store import open_store
-from meshforge.subjects import STREAM_CONTROL, control_command_subject, control_reply_subject
-from meshforge.topology import default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import (
+    STREAM_CONTROL,
+    control_command_subject,
+    control_reply_subject,
+)
+from meshforge.transport.connection import Connection, connect
 from polling import wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from meshforge.cli import app
 from meshforge.config import Settings, load_settings
-from meshforge.connection import connect
-from meshforge.deadletter import (
+from meshforge.deadletters.admin import DeadLetters
+from meshforge.deadletters.route import (
     H_DLQ_CONSUMER,
     H_DLQ_DELIVERIES,
     H_DLQ_ERROR,
@@ -26,17 +26,18 @@ from meshforge.deadletter import (
     H_DLQ_STREAM_SEQ,
     H_DLQ_TIMESTAMP,
     REASONS,
-    DeadLetters,
     dead_letter,
     redrive_id,
 )
 from meshforge.envelope import H_MSG_ID, Envelope
 from meshforge.errors import MeshForgeError, MissingTopology, PublishError
-from meshforge.observability import Metrics
-from meshforge.publisher import Publisher
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_COMMANDS, STREAM_FAILED
-from meshforge.topology import default_streams, ensure
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_FAILED
+from meshforge.transport.connection import connect
+from meshforge.transport.server import EmbeddedServer
 
 DLQ_HEADERS = {
     H_DLQ_REASON,

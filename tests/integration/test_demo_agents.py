@@ -18,10 +18,10 @@ from meshforge.cli.demo_support import AgentProcess, meshforge_command
 from meshforge.demo import InventoryAgent, OrderAgent
 from meshforge.envelope import Envelope, derive_id
 from meshforge.errors import ConfigError
-from meshforge.publisher import Publisher
+from meshforge.publish.publisher import Publisher
 from meshforge.runtime.agent import derive_uuid
 from meshforge.runtime.worker import import_from_cwd, load_agent
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 
 
 async def test_demo_agents_follow_the_contract(private_server: EmbeddedServer, sqlite_url: str) -> None:

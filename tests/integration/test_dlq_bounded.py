@@ -16,15 +16,17 @@ from typer.testing import CliRunner
 
 from meshforge.cli import app
 from meshforge.config import Settings, load_settings
-from meshforge.connection import connect
-from meshforge.deadletter import H_DLQ_REASON, H_DLQ_TRUNCATED, DeadLetters, dead_letter
+from meshforge.deadletters.admin import DeadLetters
+from meshforge.deadletters.route import H_DLQ_REASON, H_DLQ_TRUNCATED, dead_letter
 from meshforge.envelope import H_MSG_ID
 from meshforge.errors import MeshForgeError, PublishError
-from meshforge.observability import Metrics
-from meshforge.publisher import Publisher
-from meshforge.sizes import header_size
-from meshforge.subjects import STREAM_COMMANDS, STREAM_FAILED
-from meshforge.topology import default_streams, ensure
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_FAILED
+from meshforge.transport.connection import connect
+from meshforge.transport.sizes import header_size
 
 
 def settings() -> Settings:

@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator
 import pytest
 
 from meshforge.config import load_settings
-from meshforge.connection import Connection, connect
-from meshforge.deadletter import DeadLetters
-from meshforge.publisher import Publisher
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_FAILED
-from meshforge.topology import default_streams, ensure
+from meshforge.deadletters.admin import DeadLetters
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_FAILED
+from meshforge.transport.connection import Connection, connect
+from meshforge.transport.server import EmbeddedServer
 
 
 @pytest.fixture

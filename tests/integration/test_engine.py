@@ -29,10 +29,10 @@ from test_engine_support import (
 )
 
 from meshforge.envelope import H_MSG_ID, Envelope, decode, derive_id, format_traceparent
-from meshforge.observability import Metrics
+from meshforge.ops.observability import Metrics
 from meshforge.runtime.replay import replay, state_hash
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_COMMANDS
+from meshforge.topology.subjects import STREAM_COMMANDS
+from meshforge.transport.server import EmbeddedServer
 
 
 async def stored_commands(js: Any, subject: str) -> list[Envelope]:

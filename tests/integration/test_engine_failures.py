@@ -32,8 +32,8 @@ from meshforge.demo import OrderAgent
 from meshforge.envelope import Envelope
 from meshforge.errors import StoreError
 from meshforge.runtime.worker import Worker
-from meshforge.server import EmbeddedServer
 from meshforge.store import Store, Transaction
+from meshforge.transport.server import EmbeddedServer
 
 
 def reasons(letters: list[Any]) -> dict[str, tuple[str, str]]:

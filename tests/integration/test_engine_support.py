@@ -21,16 +21,17 @@ from nats.js.errors import NotFoundError
 import polling
 from meshforge.cli.demo_support import StreamMessage, read_stream
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection, connect
 from meshforge.envelope import Envelope, Outbound, decode
 from meshforge.errors import Retry
-from meshforge.observability import Metrics
-from meshforge.publisher import Publisher
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
 from meshforge.runtime import Agent, Event, Output, Send, Worker, command
-from meshforge.scope import Scope
 from meshforge.store import Store, open_store
-from meshforge.subjects import STREAM_EVENTS, STREAM_FAILED
-from meshforge.topology import default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.scope import Scope
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_EVENTS, STREAM_FAILED
+from meshforge.transport.connection import Connection, connect
 
 
 class Account(msgspec.Struct):

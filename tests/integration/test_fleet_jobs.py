@@ -18,12 +18,13 @@ from control_support import runs, stored_count
 from fleet_support import Fleet, child, meshforge
 
 from meshforge.config import load_settings
-from meshforge.connection import Connection, connect
 from meshforge.control.jobs import JobSpec, JobStore, attempt_id
 from meshforge.control.rollout import JobController, summarize
-from meshforge.observability import Metrics
-from meshforge.subjects import STREAM_CONTROL, control_command_subject
-from meshforge.topology import default_streams, ensure
+from meshforge.ops.observability import Metrics
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_CONTROL, control_command_subject
+from meshforge.transport.connection import Connection, connect
 from polling import wait_until
 
 pytestmark = pytest.mark.timeout(120)

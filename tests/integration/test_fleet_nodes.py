@@ -13,10 +13,11 @@ import pytest
 from fleet_support import Fleet, meshforge
 
 from meshforge.config import load_settings
-from meshforge.connection import Connection, connect
 from meshforge.control import ControlClient
 from meshforge.control.presence import Announcement, nodes_bucket, presence_key
-from meshforge.topology import default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.transport.connection import Connection, connect
 
 pytestmark = pytest.mark.timeout(60)
 

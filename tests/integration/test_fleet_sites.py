@@ -14,17 +14,17 @@ import pytest
 from control_support import runs, stored_count
 from fleet_support import Fleet, child, meshforge
 
-from meshforge.cluster import free_port
 from meshforge.config import load_settings
-from meshforge.connection import Connection, connect
 from meshforge.control.fleet import list_nodes
 from meshforge.control.jobs import JobSpec, JobStore, attempt_id
 from meshforge.control.rollout import JobController, summarize
 from meshforge.control.sites import hub_server, link_site, site_server
-from meshforge.permissions import leaf_block, leaf_user, password_variable
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_CONTROL, control_command_subject
 from meshforge.testing.link import LinkRelay
+from meshforge.topology.permissions import leaf_block, leaf_user, password_variable
+from meshforge.topology.subjects import STREAM_CONTROL, control_command_subject
+from meshforge.transport.cluster import free_port
+from meshforge.transport.connection import Connection, connect
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -28,12 +28,12 @@ from test_engine_support import settings_for
 
 import polling
 from meshforge.cli.demo_support import StreamMessage, read_stream
-from meshforge.connection import Connection, connect
 from meshforge.demo import InventoryAgent, OrderAgent
 from meshforge.envelope import Envelope
 from meshforge.runtime.worker import Worker
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
+from meshforge.transport.connection import Connection, connect
+from meshforge.transport.server import EmbeddedServer
 
 EXAMPLES = int(os.environ.get("MESHFORGE_FUZZ_EXAMPLES", "10"))
 HEADER_LIMIT = 64 * 1024

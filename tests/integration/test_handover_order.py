@@ -28,15 +28,16 @@ from partition_agents import Seen
 from test_partitions import check_order, ensure_bucket_exists, owners, start_worker, stepped
 
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection, connect
 from meshforge.envelope import Envelope, Outbound
-from meshforge.partitions import BUCKET, partition_of, partitioned
-from meshforge.publisher import Publisher
-from meshforge.scope import Scope
-from meshforge.server import EmbeddedServer
+from meshforge.publish.publisher import Publisher
 from meshforge.store import open_store
-from meshforge.subjects import STREAM_COMMANDS
-from meshforge.topology import default_streams, ensure
+from meshforge.topology.partitions import BUCKET, partition_of, partitioned
+from meshforge.topology.provision import ensure
+from meshforge.topology.scope import Scope
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_COMMANDS
+from meshforge.transport.connection import Connection, connect
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 PARTITIONS = 4

@@ -15,7 +15,7 @@ from test_engine_support import running, settings_for
 
 from meshforge.cli.demo_support import meshforge_command
 from meshforge.demo import OrderAgent
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 

@@ -20,15 +20,15 @@ from typer.testing import CliRunner
 
 from meshforge.cli import app
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection, connect
 from meshforge.control.presence import nodes_bucket
 from meshforge.envelope import Envelope
-from meshforge.permissions import password_variable
-from meshforge.provision import ensure
-from meshforge.publisher import Publisher
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_EVENTS, STREAM_FAILED
-from meshforge.topology import agent_consumer, default_streams, node_consumer
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.permissions import password_variable
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import agent_consumer, default_streams, node_consumer
+from meshforge.topology.subjects import STREAM_EVENTS, STREAM_FAILED
+from meshforge.transport.connection import Connection, connect
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 # user: the `meshforge permissions` arguments that print its block

@@ -17,14 +17,14 @@ from consumer_support import (
 )
 from nats.js import JetStreamContext
 
-from meshforge.connection import Connection
-from meshforge.consumer import Consumer, Decision, Delivery, Handler
+from meshforge.consume.consumer import Consumer, Decision, Delivery, Handler
+from meshforge.consume.inbox import AsyncTransaction, cleanup_inbox_once, inbox_cleanup, with_inbox
 from meshforge.envelope import Envelope
 from meshforge.errors import Unrecoverable
-from meshforge.inbox import AsyncTransaction, cleanup_inbox_once, inbox_cleanup, with_inbox
-from meshforge.observability import Metrics
+from meshforge.ops.observability import Metrics
 from meshforge.store import Store, Transaction, open_store
-from meshforge.topology import agent_consumer
+from meshforge.topology.specs import agent_consumer
+from meshforge.transport.connection import Connection
 
 TABLE = "credits"
 

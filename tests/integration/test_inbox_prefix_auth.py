@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from meshforge.cli import app
 from meshforge.cli.demo_support import meshforge_command
 from meshforge.config import load_settings
-from meshforge.connection import connect
 from meshforge.errors import ConnectionFailed
 from meshforge.spark.nats_sync import ConnOptions, SyncNats
+from meshforge.transport.connection import connect
 
 OLD_STYLE = """
 authorization { users = [

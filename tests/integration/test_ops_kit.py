@@ -15,20 +15,21 @@ import yaml
 from ops_support import Child, free_port, parse_metrics, scrape, status
 from test_engine_support import settings_for
 
-from meshforge.connection import connect
 from meshforge.control.client import ControlClient
 from meshforge.control.jobs import JobSpec, JobStore
 from meshforge.control.rollout import JobController
 from meshforge.demo import OrderAgent
 from meshforge.envelope import Envelope
-from meshforge.observability import Metrics, serve_http
-from meshforge.outbox import OutboxRelay, enqueue
-from meshforge.probes import Probes
-from meshforge.publisher import Publisher
+from meshforge.ops.observability import Metrics, serve_http
+from meshforge.ops.probes import Probes
+from meshforge.publish.outbox import OutboxRelay, enqueue
+from meshforge.publish.publisher import Publisher
 from meshforge.runtime.worker import Worker
 from meshforge.store import open_store
-from meshforge.subjects import STREAM_COMMANDS
-from meshforge.topology import ConsumerSpec, default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import ConsumerSpec, default_streams
+from meshforge.topology.subjects import STREAM_COMMANDS
+from meshforge.transport.connection import connect
 from polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,11 +26,11 @@ from test_engine_support import (
 import polling
 from meshforge.envelope import Envelope
 from meshforge.errors import Retry
-from meshforge.observability import Metrics
-from meshforge.partitions import partitioned
-from meshforge.publisher import Publisher
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
 from meshforge.runtime import Agent, Event, Output, command
-from meshforge.scope import Scope
+from meshforge.topology.partitions import partitioned
+from meshforge.topology.scope import Scope
 
 SCOPE = Scope("default", "test")
 

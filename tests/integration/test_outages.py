@@ -34,11 +34,11 @@ from test_engine_support import (
 )
 
 from meshforge.config import Settings
-from meshforge.connection import Connection
 from meshforge.envelope import Envelope
 from meshforge.runtime.worker import Worker
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_EVENTS
+from meshforge.topology.subjects import STREAM_EVENTS
+from meshforge.transport.connection import Connection
+from meshforge.transport.server import EmbeddedServer
 
 # The settings of every outage here: short, so an outage of a few seconds outlasts them.
 ACK_WAIT, BACKOFF, MAX_DELIVER = 2.0, (0.2, 0.4, 0.6), 4

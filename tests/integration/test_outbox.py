@@ -15,12 +15,13 @@ from nats.js import JetStreamContext
 from meshforge.config import Settings, load_settings
 from meshforge.envelope import H_MSG_ID, Envelope
 from meshforge.errors import InvalidSubject, StoreError
-from meshforge.observability import Metrics
-from meshforge.outbox import OutboxRelay, enqueue, enqueue_many
-from meshforge.publisher import Publisher
+from meshforge.ops.observability import Metrics
+from meshforge.publish.outbox import OutboxRelay, enqueue, enqueue_many
+from meshforge.publish.publisher import Publisher
 from meshforge.store import Store, open_store
-from meshforge.subjects import STREAM_EVENTS
-from meshforge.topology import default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_EVENTS
 
 
 def settings(**values: object) -> Settings:

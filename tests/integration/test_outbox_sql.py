@@ -10,13 +10,13 @@ import psycopg
 import pytest
 
 from meshforge.config import Settings
-from meshforge.connection import Connection
 from meshforge.envelope import Envelope, decode
-from meshforge.outbox import OutboxRelay
-from meshforge.outbox_sql import enqueue_on
-from meshforge.publisher import Publisher
+from meshforge.publish.outbox import OutboxRelay
+from meshforge.publish.outbox_sql import enqueue_on
+from meshforge.publish.publisher import Publisher
 from meshforge.store import open_store
-from meshforge.subjects import STREAM_COMMANDS
+from meshforge.topology.subjects import STREAM_COMMANDS
+from meshforge.transport.connection import Connection
 
 
 def own_subject() -> str:

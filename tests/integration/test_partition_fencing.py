@@ -17,25 +17,20 @@ from nats.js import JetStreamContext
 from partition_agents import SequenceAgent
 
 from meshforge.config import Settings
-from meshforge.connection import Connection
-from meshforge.consumer import Consumer
-from meshforge.decisions import Decision, Delivery
+from meshforge.consume.consumer import Consumer
+from meshforge.consume.decisions import Decision, Delivery
+from meshforge.consume.pull import FENCED, PullSource
 from meshforge.envelope import Envelope
-from meshforge.observability import Metrics
-from meshforge.partitions import pinned_client, unpin
-from meshforge.publisher import Publisher
-from meshforge.pull import FENCED, PullSource
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
 from meshforge.runtime.engine import Engine
 from meshforge.runtime.worker import _Partitions
 from meshforge.store import Store, open_store
-from meshforge.subjects import STREAM_COMMANDS
-from meshforge.topology import (
-    OWNER_GROUP,
-    ConsumerSpec,
-    agent_consumer,
-    ensure,
-    partition_consumers,
-)
+from meshforge.topology.partitions import pinned_client, unpin
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import OWNER_GROUP, ConsumerSpec, agent_consumer, partition_consumers
+from meshforge.topology.subjects import STREAM_COMMANDS
+from meshforge.transport.connection import Connection
 from polling import wait_until
 
 

@@ -23,13 +23,14 @@ from nats.js.kv import KeyValue
 
 from meshforge.cli.demo_support import read_stream
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection, connect
 from meshforge.envelope import Envelope, Outbound, decode
-from meshforge.partitions import BUCKET, Leases, ensure_bucket, partition_of, partitioned
-from meshforge.publisher import Publisher
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS
-from meshforge.topology import default_streams, ensure
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.partitions import BUCKET, Leases, ensure_bucket, partition_of, partitioned
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_EVENTS
+from meshforge.transport.connection import Connection, connect
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

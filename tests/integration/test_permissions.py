@@ -16,16 +16,16 @@ from typer.testing import CliRunner
 from meshforge.cli import app
 from meshforge.cli.demo_support import meshforge_command
 from meshforge.config import load_settings
-from meshforge.connection import Connection, connect
 from meshforge.control.jobs import JobStore
 from meshforge.control.presence import nodes_bucket
 from meshforge.envelope import Envelope, decode
-from meshforge.permissions import password_variable
-from meshforge.server import EmbeddedServer
 from meshforge.spark.fetch import read_range
 from meshforge.spark.nats_sync import ConnOptions, SyncNats
-from meshforge.subjects import STREAM_EVENTS, STREAM_REPLIES
-from meshforge.topology import agent_consumer
+from meshforge.topology.permissions import password_variable
+from meshforge.topology.specs import agent_consumer
+from meshforge.topology.subjects import STREAM_EVENTS, STREAM_REPLIES
+from meshforge.transport.connection import Connection, connect
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 ROLES = ("admin", "agent", "node", "publisher", "spark")

@@ -22,14 +22,14 @@ from typer.testing import CliRunner
 
 from meshforge.cli import app
 from meshforge.cli.demo_support import read_stream
-from meshforge.connection import Connection
-from meshforge.deadletter import DeadLetters
+from meshforge.deadletters.admin import DeadLetters
 from meshforge.demo import InventoryAgent, OrderAgent
 from meshforge.envelope import Envelope
-from meshforge.observability import Metrics
-from meshforge.publisher import Publisher
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_EVENTS
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.subjects import STREAM_EVENTS
+from meshforge.transport.connection import Connection
+from meshforge.transport.server import EmbeddedServer
 
 ORDER = "cmd.default.demo.order.create"
 

@@ -1,4 +1,4 @@
-"""The lean publish path of a MeshForge connection (``meshforge.pubacks``), its batched
+"""The lean publish path of a MeshForge connection (``meshforge.transport.pubacks``), its batched
 acks and its direct delivery, against a real nats-server: the same answers nats-py gives."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from meshforge.config import load_settings
-from meshforge.connection import Connection, connect
+from meshforge.consume.pull import PullSource
 from meshforge.envelope import Outbound
-from meshforge.pull import PullSource
+from meshforge.transport.connection import Connection, connect
 
 
 @pytest.fixture

@@ -16,14 +16,15 @@ from typer.testing import CliRunner
 
 from meshforge.cli import app
 from meshforge.config import Settings, load_settings
-from meshforge.connection import connect
 from meshforge.envelope import H_MSG_ID, Envelope, Outbound
 from meshforge.errors import MeshForgeError, PublishError
-from meshforge.observability import Metrics
-from meshforge.publisher import NO_STREAM_ATTEMPTS, Publisher
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS
-from meshforge.topology import default_streams, ensure
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import NO_STREAM_ATTEMPTS, Publisher
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_EVENTS
+from meshforge.transport.connection import connect
+from meshforge.transport.server import EmbeddedServer
 
 
 def settings(**values: object) -> Settings:
@@ -44,7 +45,7 @@ async def streams(
     request: pytest.FixtureRequest, js: JetStreamContext, nats_url: str
 ) -> AsyncIterator[JetStreamContext]:
     """JetStream on a plain nats-py client, and on a MeshForge connection (whose publishes
-    take the lean path of ``meshforge.pubacks``): the publisher behaves the same on both."""
+    take the lean path of ``meshforge.transport.pubacks``): the publisher behaves the same on both."""
     await ensure(js, default_streams(settings()), [])
     if request.param == "nats-py":
         yield js

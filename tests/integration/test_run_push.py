@@ -11,12 +11,12 @@ import urllib.request
 from pathlib import Path
 
 from meshforge.config import Settings
-from meshforge.connection import Connection
+from meshforge.consume.push import deliver_subject
 from meshforge.envelope import Envelope, decode
-from meshforge.publisher import Publisher
-from meshforge.push import deliver_subject
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_EVENTS
+from meshforge.transport.connection import Connection
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

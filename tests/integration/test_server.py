@@ -15,7 +15,7 @@ import nats
 import pytest
 
 from meshforge.errors import ServerError
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until_sync
 
 
@@ -114,7 +114,7 @@ def test_second_server_on_the_same_directory_stops_and_leaves_the_first_alone(tm
 def test_an_orphaned_nats_server_keeps_its_directory_locked(tmp_path: Path) -> None:
     store = tmp_path / "nats"
     code = (
-        "import sys, time; from meshforge.server import EmbeddedServer; "
+        "import sys, time; from meshforge.transport.server import EmbeddedServer; "
         "s = EmbeddedServer(store_dir=sys.argv[1]).start(); print(s.pid, s.url, flush=True); time.sleep(300)"
     )
     owner = subprocess.Popen([sys.executable, "-c", code, str(store)], stdout=subprocess.PIPE, text=True)

@@ -13,9 +13,9 @@ import pytest
 
 from meshforge import Envelope, SyncPublisher
 from meshforge.config import Settings
-from meshforge.connection import Connection
 from meshforge.errors import PublishError
-from meshforge.subjects import STREAM_EVENTS
+from meshforge.topology.subjects import STREAM_EVENTS
+from meshforge.transport.connection import Connection
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 THREADS, EACH = 16, 40

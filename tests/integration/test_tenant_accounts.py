@@ -13,13 +13,13 @@ from auth_support import configured_server
 from nats.aio.msg import Msg
 from test_engine_support import running, settings_for
 
-from meshforge.connection import connect
 from meshforge.demo import OrderAgent
 from meshforge.envelope import Envelope
-from meshforge.provision import ensure
-from meshforge.publisher import Publisher
-from meshforge.subjects import STREAM_EVENTS
-from meshforge.topology import agent_consumer, default_streams
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import agent_consumer, default_streams
+from meshforge.topology.subjects import STREAM_EVENTS
+from meshforge.transport.connection import connect
 from polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,16 +20,16 @@ from test_engine_support import (
 )
 
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection
 from meshforge.demo import InventoryAgent, OrderAgent
 from meshforge.envelope import Envelope
 from meshforge.errors import OverlapError, TopologyError
-from meshforge.publisher import Publisher
-from meshforge.scope import Scope
-from meshforge.server import EmbeddedServer
+from meshforge.publish.publisher import Publisher
 from meshforge.store import Store, open_store
 from meshforge.store.base import EffectRecord
-from meshforge.topology import agent_consumer
+from meshforge.topology.scope import Scope
+from meshforge.topology.specs import agent_consumer
+from meshforge.transport.connection import Connection
+from meshforge.transport.server import EmbeddedServer
 
 NS = "demo"
 

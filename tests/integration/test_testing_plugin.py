@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from meshforge.connection import Connection
 from meshforge.demo import InventoryAgent, OrderAgent
-from meshforge.subjects import STREAM_COMMANDS
 from meshforge.testing.plugin import _Workers
+from meshforge.topology.subjects import STREAM_COMMANDS
+from meshforge.transport.connection import Connection
 
 
 async def test_agent_worker_runs_commands_and_shows_events_state_and_dead_letters(

@@ -9,21 +9,17 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType
 
 from meshforge.config import Settings, load_settings
-from meshforge.connection import connect
 from meshforge.errors import MissingTopology, OverlapError, TopologyError
-from meshforge.provision import Action, Plan
-from meshforge.server import EmbeddedServer
-from meshforge.topology import (
+from meshforge.topology.provision import Action, Plan, apply, ensure, plan, verify
+from meshforge.topology.specs import (
     ConsumerSpec,
     StreamSpec,
     agent_consumer,
-    apply,
     default_streams,
-    ensure,
     node_consumer,
-    plan,
-    verify,
 )
+from meshforge.transport.connection import connect
+from meshforge.transport.server import EmbeddedServer
 
 NAMES = [
     "MESHFORGE_COMMANDS",

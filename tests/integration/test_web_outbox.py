@@ -21,10 +21,10 @@ import pytest
 
 from meshforge import SyncPublisher
 from meshforge.config import Settings
-from meshforge.connection import Connection
 from meshforge.envelope import decode
 from meshforge.store.base import Store
-from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_EVENTS
+from meshforge.transport.connection import Connection
 from polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

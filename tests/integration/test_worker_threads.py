@@ -23,10 +23,10 @@ from test_engine_support import (
     wait_until,
 )
 
-from meshforge.connection import Connection
 from meshforge.envelope import Envelope
 from meshforge.runtime.agent import Agent, Event, Output, command
 from meshforge.runtime.worker import SWITCH_INTERVAL, quick_thread_switches
+from meshforge.transport.connection import Connection
 
 
 @pytest.fixture

@@ -21,18 +21,18 @@ from test_engine_support import (
 )
 
 from meshforge.cli.demo_support import AgentProcess, read_stream
-from meshforge.decisions import Action, Delivery
+from meshforge.consume.decisions import Action, Delivery
 from meshforge.demo import InventoryAgent, OrderAgent
 from meshforge.envelope import Envelope, Outbound
-from meshforge.observability import Metrics
-from meshforge.publisher import Publisher
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
 from meshforge.runtime.agent import derive_uuid
 from meshforge.runtime.engine import Engine
 from meshforge.runtime.replay import replay
-from meshforge.scope import Scope
-from meshforge.server import EmbeddedServer
 from meshforge.store import open_store
-from meshforge.subjects import STREAM_FAILED
+from meshforge.topology.scope import Scope
+from meshforge.topology.subjects import STREAM_FAILED
+from meshforge.transport.server import EmbeddedServer
 
 pytestmark = pytest.mark.postgres
 DEMO = Scope("default", "demo")

@@ -15,10 +15,10 @@ import pytest
 from pyspark.sql import SparkSession
 from typer.testing import CliRunner
 
-import meshforge.spark.job
+import meshforge.cli.spark_job
 from meshforge.cli import app
 from meshforge.envelope import Envelope, Outbound
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 
 pytestmark = pytest.mark.spark
 
@@ -53,7 +53,7 @@ async def test_spark_submit_ingest_then_audit_exit_code(
     env.pop("PYSPARK_GATEWAY_PORT", None)
     done = subprocess.run(  # noqa: ASYNC221 - the test waits for spark-submit on purpose
         [str(spark_submit), "--master", "local[2]", "--conf", "spark.ui.enabled=false",
-         meshforge.spark.job.__file__, "ingest", "--nats-url", url, "--output", str(out)],
+         meshforge.cli.spark_job.__file__, "ingest", "--nats-url", url, "--output", str(out)],
         env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path,
     )  # fmt: skip
     said = done.stdout + done.stderr  # spark-submit merges the driver's stderr into stdout

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 
 pytestmark = pytest.mark.spark
 

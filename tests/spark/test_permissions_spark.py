@@ -10,7 +10,7 @@ from pyspark.sql import SparkSession
 from typer.testing import CliRunner
 
 from meshforge.cli import app
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 
 pytestmark = pytest.mark.spark
 

@@ -11,10 +11,10 @@ import pytest
 from pyspark.sql import SparkSession
 
 from meshforge.envelope import Envelope, Outbound
-from meshforge.scope import Scope
-from meshforge.server import EmbeddedServer
 from meshforge.spark.pipelines import audit, ingest
 from meshforge.store import StoredOutput, open_store
+from meshforge.topology.scope import Scope
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
 
 pytestmark = pytest.mark.spark

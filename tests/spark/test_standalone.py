@@ -26,10 +26,10 @@ import pytest
 from pyspark.sql import SparkSession
 from typer.testing import CliRunner
 
-import meshforge.spark.job
+import meshforge.cli.spark_job
 from meshforge.cli import app
 from meshforge.envelope import Envelope, Outbound
-from meshforge.server import EmbeddedServer
+from meshforge.transport.server import EmbeddedServer
 from polling import wait_until_sync
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -139,7 +139,7 @@ def _submit(master: str, cwd: Path, *args: str) -> str:
     env.pop("PYSPARK_GATEWAY_PORT", None)
     done = subprocess.run(
         [str(BIN / "spark-submit"), "--master", master, "--conf", "spark.ui.enabled=false",
-         "--conf", "spark.executor.memory=512m", meshforge.spark.job.__file__, *args],
+         "--conf", "spark.executor.memory=512m", meshforge.cli.spark_job.__file__, *args],
         env=env, capture_output=True, text=True, timeout=150, cwd=cwd,
     )  # fmt: skip
     said = done.stdout + done.stderr

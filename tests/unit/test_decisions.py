@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshforge.decisions import Action, Decision, backoff_delay, decide
+from meshforge.consume.decisions import Action, Decision, backoff_delay, decide
 from meshforge.errors import Expired, MalformedMessage, Rejected, Retry, Unrecoverable
 
 BACKOFF = (1.0, 5.0, 10.0)

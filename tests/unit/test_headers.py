@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshforge import headers
-from meshforge.headers import parse_header_lines
+from meshforge.transport import headers
+from meshforge.transport.headers import parse_header_lines
 
 _PIECES = st.sampled_from(
     [b"Nats-Msg-Id", b"traceparent", b":", b": ", b"\r\n", b" ", b"\t", b"\x1c", b"\x0b", b"\xc3\xa9",

@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import Any, cast
 
-from meshforge.ack import Heartbeats
+from meshforge.consume.ack import Heartbeats
 from polling import wait_until
 
 

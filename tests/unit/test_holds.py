@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from meshforge.decisions import Delivery
+from meshforge.consume.decisions import Delivery
 from meshforge.envelope import Envelope
 from meshforge.runtime.effects import Work
 from meshforge.runtime.holds import STOPPED_POLL, Holds
-from meshforge.scope import Scope
+from meshforge.topology.scope import Scope
 
 A = Scope("acme", "shop")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from meshforge.config import load_settings
-from meshforge.connection import settings_auth
-from meshforge.credentials import NatsAuth, nats_auth_options, url_user, user_inbox_prefix
 from meshforge.errors import ConfigError
 from meshforge.spark.nats_sync import ConnOptions
+from meshforge.transport.connection import settings_auth
+from meshforge.transport.credentials import NatsAuth, nats_auth_options, url_user, user_inbox_prefix
 
 
 def test_the_prefix_comes_from_the_user_or_the_setting() -> None:

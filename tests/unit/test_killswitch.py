@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from meshforge.errors import StoreError
-from meshforge.observability import Metrics
+from meshforge.ops.observability import Metrics
 from meshforge.runtime.killswitch import KillSwitch, is_outage
 from polling import wait_until
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshforge.observability import (
+from meshforge.ops.observability import (
     Metrics,
     bind_trace,
     configure_logging,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.protocol.parser import Parser
 
-from meshforge.connection import _Client, _Parser
+from meshforge.transport.connection import _Client, _Parser
 
 
 def hmsg(head: bytes, hdr: bytes, body: bytes) -> bytes:

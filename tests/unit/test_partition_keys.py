@@ -10,19 +10,19 @@ from meshforge.cli.publish import build_envelope
 from meshforge.config import load_settings
 from meshforge.envelope import Envelope, decode
 from meshforge.errors import ConfigError, InvalidSubject, TopologyError
-from meshforge.partitions import (
+from meshforge.publish.sync import envelope_for
+from meshforge.runtime.agent import Agent, Event, Output, Send
+from meshforge.runtime.outputs import build_outputs
+from meshforge.topology.partitions import (
     fnv1a_32,
     partition_key,
     partition_of,
     partition_subject,
     partitioned,
 )
-from meshforge.runtime.agent import Agent, Event, Output, Send
-from meshforge.runtime.outputs import build_outputs
-from meshforge.scope import Scope, command_scope
-from meshforge.subjects import command_parts, overlaps, partitioned_command_subject
-from meshforge.sync_publisher import envelope_for
-from meshforge.topology import partition_consumers
+from meshforge.topology.scope import Scope, command_scope
+from meshforge.topology.specs import partition_consumers
+from meshforge.topology.subjects import command_parts, overlaps, partitioned_command_subject
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from meshforge.cli import app
 from meshforge.config import Settings
 from meshforge.errors import ConfigError
-from meshforge.permissions import User, authorization_block, role_grant
+from meshforge.topology.permissions import User, authorization_block, role_grant
 
 
 def test_tenant_narrows_what_an_agent_and_a_publisher_may_publish() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshforge.provision import _list_all
+from meshforge.topology.provision import _list_all
 
 
 class Listing:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.js.api import PubAck
 
-from meshforge.pubacks import _answer
+from meshforge.transport.pubacks import _answer
 
 streams = st.sampled_from(["S", "MESHFORGE_EVENTS", "a-b_c", 'q"uote', "back\\slash", "é"]) | st.text(max_size=8)
 extras = st.sampled_from(["", ',"duplicate": true', ',"duplicate":true', ',"duplicate":false', ',"domain":"d"'])

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
 
-from meshforge.pubacks import encode_headers
+from meshforge.transport.pubacks import encode_headers
 
 names = st.sampled_from(["Nats-Msg-Id", "Tenant-Id", "traceparent", " X-Pad ", "", "Bad Name", "x:y", "é"]) | st.text(max_size=12)  # fmt: skip
 values = st.sampled_from(["v", "", " v ", "a\r\nb", "\tx", "x\x0b", "é ü", "a\u00a0", "\u2003b"]) | st.text(max_size=40)  # fmt: skip

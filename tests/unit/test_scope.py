@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from meshforge.envelope import H_TENANT, Envelope, decode
-from meshforge.scope import DEFAULT_SCOPE, Scope, command_scope, tenant_conflict
-from meshforge.topology import agent_durable
+from meshforge.topology.scope import DEFAULT_SCOPE, Scope, command_scope, tenant_conflict
+from meshforge.topology.specs import agent_durable
 
 
 def test_scope_of_a_subject() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshforge.errors import PublishError
-from meshforge.sizes import HEADER_LIMIT, SizeLimits, check_fits, fit_message, header_size
+from meshforge.transport.sizes import HEADER_LIMIT, SizeLimits, check_fits, fit_message, header_size
 
 SUBJECT = "failed.cmd.default.demo.order.create"
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshforge.errors import InvalidSubject
-from meshforge.subjects import (
+from meshforge.topology.subjects import (
     command_subject,
     control_command_subject,
     control_reply_subject,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from meshforge.server import DataDirLock, EmbeddedServer
+from meshforge.transport.server import DataDirLock, EmbeddedServer
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -192,3 +192,18 @@ def service_settings(
             **more,
         }
     )
+
+
+def json_payload(text: str | None) -> dict[str, Any]:
+    """A command's JSON payload argument as an object (empty when not given)."""
+    if text is None or not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint="JSON") from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter(
+            f"expected a JSON object, got {type(value).__name__}", param_hint="JSON"
+        )
+    return value

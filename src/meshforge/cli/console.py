@@ -84,7 +84,7 @@ def console(
     from meshforge.config import load_settings
     from meshforge.console import ConsoleTokens, create_app
     from meshforge.console.auth import check_bind
-    from meshforge.observability import configure_logging
+    from meshforge.ops.observability import configure_logging
 
     settings = load_settings({"nats_url": nats_url, "tenant": tenant})
     tokens = ConsoleTokens.from_settings(settings)

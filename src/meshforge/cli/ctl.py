@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from meshforge.cli.common import NatsUrl, nats_target
+from meshforge.cli.common import NatsUrl, json_payload, nats_target
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
@@ -26,20 +26,6 @@ def register(app: typer.Typer) -> None:
 
     ctl_app.add_typer(job_app, name="job")
     app.add_typer(ctl_app, name="ctl")
-
-
-def _payload(text: str | None) -> dict[str, Any]:
-    if text is None or not text.strip():
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint="JSON") from None
-    if not isinstance(value, dict):
-        raise typer.BadParameter(
-            f"expected a JSON object, got {type(value).__name__}", param_hint="JSON"
-        )
-    return value
 
 
 @ctl_app.command("send")
@@ -83,7 +69,7 @@ def send(
     from meshforge.config import load_settings
     from meshforge.control.client import to_timestamp
 
-    body = _payload(payload)
+    body = json_payload(payload)
     # Times are fixed now, before connecting, so "30s" means 30 s from when it was typed.
     nb = to_timestamp(not_before, what="--not-before")
     dl = to_timestamp(deadline, what="--deadline")
@@ -108,9 +94,10 @@ async def _send(
     wait: float,
     command_id: str | None,
 ) -> int:
-    from meshforge.connection import connect
     from meshforge.control.client import ControlClient
-    from meshforge.topology import default_streams, ensure
+    from meshforge.topology.provision import ensure
+    from meshforge.topology.specs import default_streams
+    from meshforge.transport.connection import connect
 
     async with await connect(settings, url=url, name="meshforge-ctl") as conn:
         if settings.provision:
@@ -163,8 +150,8 @@ def reply(
 async def _reply(
     url: str, settings: Settings, site: str, name: str, command_id: str, wait: float
 ) -> Reply | None:
-    from meshforge.connection import connect
     from meshforge.control.client import ControlClient
+    from meshforge.transport.connection import connect
 
     async with await connect(settings, url=url, name="meshforge-ctl") as conn:
         # At least a moment, so the replies already stored are read through.
@@ -215,8 +202,8 @@ def status(
 
 
 async def _status(url: str, settings: Settings, site: str, name: str) -> dict[str, Any]:
-    from meshforge.connection import connect
     from meshforge.control.client import ControlClient
+    from meshforge.transport.connection import connect
 
     async with await connect(settings, url=url, name="meshforge-ctl") as conn:
         return (await ControlClient(conn, settings=settings).status(site, name)).to_dict()
@@ -256,8 +243,8 @@ def nodes(
 
 
 async def _nodes(url: str, settings: Settings, site: str | None) -> list[dict[str, Any]]:
-    from meshforge.connection import connect
     from meshforge.control.fleet import list_nodes
+    from meshforge.transport.connection import connect
 
     async with await connect(settings, url=url, name="meshforge-ctl") as conn:
         return [row.to_dict() for row in await list_nodes(conn.js, site)]

@@ -31,8 +31,8 @@ from meshforge.cli.common import HOME, NatsUrl, nats_target
 
 if TYPE_CHECKING:
     from meshforge.cli.demo_support import AgentProcess, EventWatch, StreamMessage
-    from meshforge.connection import Connection
     from meshforge.envelope import Envelope
+    from meshforge.transport.connection import Connection
 
 ORDER = "meshforge.demo:OrderAgent"
 INVENTORY = "meshforge.demo:InventoryAgent"
@@ -139,7 +139,7 @@ async def _next_seqs(url: str) -> dict[str, int]:
     from nats.js.errors import NotFoundError
 
     from meshforge.config import load_settings
-    from meshforge.connection import connect
+    from meshforge.transport.connection import connect
 
     async with await connect(load_settings(), url=url, name="meshforge-demo") as conn:
         seqs: dict[str, int] = {}
@@ -164,8 +164,9 @@ async def _story(
 ) -> bool:
     from meshforge.cli.demo_support import AgentProcess, EventWatch
     from meshforge.config import load_settings
-    from meshforge.connection import connect
-    from meshforge.topology import agent_consumer, default_streams, ensure
+    from meshforge.topology.provision import ensure
+    from meshforge.topology.specs import agent_consumer, default_streams
+    from meshforge.transport.connection import connect
 
     settings = load_settings({"nats_url": url})
     conn = await connect(settings, name="meshforge-demo")
@@ -203,7 +204,7 @@ async def _story(
 
 async def _send(conn: Connection, command: str, payload: dict[str, Any], **fields: Any) -> Envelope:
     from meshforge.envelope import Envelope
-    from meshforge.publisher import Publisher
+    from meshforge.publish.publisher import Publisher
 
     env = Envelope.new(command, payload, source="demo", **fields)
     await Publisher(conn.js).publish(f"{PREFIX}.{command}", env)
@@ -216,7 +217,7 @@ def _caused_by(env: Envelope, type_: str) -> Any:
 
 async def _smoke(console: Console, conn: Connection, watch: EventWatch, run: str) -> None:
     from meshforge.envelope import Envelope
-    from meshforge.publisher import Publisher
+    from meshforge.publish.publisher import Publisher
 
     sku = f"SMOKE-{run}"
     say = console.print
@@ -268,7 +269,7 @@ async def _load(
     run: str, orders: int, kill_at: float, patience: float,
 ) -> _Load:  # fmt: skip
     from meshforge.envelope import Envelope, Outbound
-    from meshforge.publisher import Publisher
+    from meshforge.publish.publisher import Publisher
     from meshforge.runtime.agent import derive_uuid
 
     console.print(f"\n[bold]--- Load: {orders:,} orders; the order agent is killed part-way ---")

@@ -20,20 +20,20 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from meshforge.cluster import free_port
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection, connect
 from meshforge.control.fleet import list_nodes
 from meshforge.control.jobs import JobSpec, JobStore
 from meshforge.control.rollout import JobController, summarize
 from meshforge.control.runtime import NodeRuntime
 from meshforge.control.sites import hub_server, link_site, site_server
 from meshforge.demo.node import DemoNode
-from meshforge.observability import Metrics
-from meshforge.server import EmbeddedServer
+from meshforge.ops.observability import Metrics
 from meshforge.store import open_store
-from meshforge.subjects import STREAM_CONTROL
 from meshforge.testing.link import LinkRelay
+from meshforge.topology.subjects import STREAM_CONTROL
+from meshforge.transport.cluster import free_port
+from meshforge.transport.connection import Connection, connect
+from meshforge.transport.server import EmbeddedServer
 
 __all__ = ["run_fleet_demo"]
 

@@ -7,7 +7,6 @@ A dead letter's ID is its sequence number in ``MESHFORGE_FAILED`` (the first col
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
@@ -16,17 +15,21 @@ import typer
 from rich.text import Text
 
 from meshforge.cli.common import NatsUrl, nats_target
+from meshforge.deadletters.show import (
+    SHOW_BYTES,
+    SHOW_HEADER_VALUE,
+    SHOW_HEADERS,
+    pretty_json,
+    printable,
+    text_of,
+)
 
 if TYPE_CHECKING:
-    from meshforge.deadletter import DeadLetter, DeadLetters
-    from meshforge.originals import Original
+    from meshforge.deadletters.admin import DeadLetters
+    from meshforge.deadletters.originals import Original
+    from meshforge.deadletters.route import DeadLetter
 
 T = TypeVar("T")
-
-#: ``dlq show`` prints at most this many bytes of a body, headers, and characters of a value.
-SHOW_BYTES = 4096
-SHOW_HEADERS = 100
-SHOW_HEADER_VALUE = 300
 
 dlq_app = typer.Typer(
     name="dlq",
@@ -39,7 +42,7 @@ def _dead_letter_pattern(value: str | None) -> str | None:
     if value is None:
         return None
     from meshforge.errors import InvalidSubject
-    from meshforge.subjects import DEAD_LETTER_PREFIX, validate_subject
+    from meshforge.topology.subjects import DEAD_LETTER_PREFIX, validate_subject
 
     pattern = value if value.startswith(DEAD_LETTER_PREFIX) else DEAD_LETTER_PREFIX + value
     try:
@@ -71,10 +74,10 @@ def _run(nats_url: str | None, work: Callable[[DeadLetters], Awaitable[T]]) -> T
     settings = load_settings({"nats_url": nats_url})
 
     async def go(url: str) -> T:
-        from meshforge.connection import connect
-        from meshforge.deadletter import DeadLetters
+        from meshforge.deadletters.admin import DeadLetters
         from meshforge.errors import MeshForgeError, one_line
-        from meshforge.publisher import Publisher
+        from meshforge.publish.publisher import Publisher
+        from meshforge.transport.connection import connect
 
         async with await connect(settings, url=url, name="meshforge-dlq") as conn:
             try:
@@ -139,11 +142,11 @@ def ls(
         # Text, not markup: a header's "[" must not be read as a style.
         table.add_row(
             str(letter.seq),
-            Text(_printable(_short(letter.reason, 20)) + (" (cut)" if letter.truncated else "")),
+            Text(printable(_short(letter.reason, 20)) + (" (cut)" if letter.truncated else "")),
             "" if letter.deliveries is None else str(letter.deliveries),
-            Text(_printable(letter.original_subject)),
-            Text(_printable(_short(letter.error, 100))),
-            Text(_printable(letter.timestamp[5:19].replace("T", " "))),
+            Text(printable(letter.original_subject)),
+            Text(printable(_short(letter.error, 100))),
+            Text(printable(letter.timestamp[5:19].replace("T", " "))),
         )
     console.print(table)
 
@@ -206,18 +209,11 @@ def _header_table(headers: dict[str, str]) -> Any:
         if index == SHOW_HEADERS:
             table.add_row(Text("..."), Text(f"{len(headers) - index} more headers not shown"))
             break
-        shown = _printable(value[:SHOW_HEADER_VALUE])
+        shown = printable(value[:SHOW_HEADER_VALUE])
         if len(value) > SHOW_HEADER_VALUE:
             shown += f"... ({len(value)} characters in all)"
-        table.add_row(Text(_printable(name[:SHOW_HEADER_VALUE])), Text(shown))
+        table.add_row(Text(printable(name[:SHOW_HEADER_VALUE])), Text(shown))
     return table
-
-
-def _printable(text: str) -> str:
-    """``text`` with control characters escaped, so no byte of a message drives the terminal."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
 def _body_lines(data: bytes, max_bytes: int) -> list[Any]:
@@ -227,35 +223,16 @@ def _body_lines(data: bytes, max_bytes: int) -> list[Any]:
     size = len(data)
     cut = size > max_bytes
     part = data[:max_bytes]
-    text = _text_of(part, final=not cut)
+    text = text_of(part, final=not cut)
     if not cut and text is not None:
-        pretty = _pretty_json(text, max_bytes)
+        pretty = pretty_json(text, max_bytes)
         if pretty is not None:
             return [Text("body:"), Syntax(pretty, "json", word_wrap=True)]
     kind = "text" if text is not None else "binary"
     title = f"body ({size} bytes, {kind}"
     title += f"; first {len(part)} shown, --max-bytes or --body-file for all):" if cut else "):"
-    shown = _printable(text) if text is not None else repr(part)
+    shown = printable(text) if text is not None else repr(part)
     return [Text(title), Text(shown)]
-
-
-def _text_of(data: bytes, *, final: bool) -> str | None:
-    """``data`` as UTF-8 text (a character cut at the end is dropped), or None for binary."""
-    import codecs
-
-    try:
-        return codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
-    except UnicodeDecodeError:
-        return None
-
-
-def _pretty_json(text: str, max_bytes: int) -> str | None:
-    """``text`` indented when it is JSON and the result stays near ``max_bytes``; else None."""
-    try:
-        pretty = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
-    except (ValueError, RecursionError):  # not JSON, or nested deeper than Python recurses
-        return None
-    return pretty if len(pretty) <= max(4 * max_bytes, 1024) else None
 
 
 @dlq_app.command("redrive")

@@ -91,7 +91,7 @@ def tail(
     """Print stored events, then new ones as they come (Ctrl-C stops)."""
     from meshforge.config import load_settings
     from meshforge.errors import InvalidSubject
-    from meshforge.subjects import validate_subject
+    from meshforge.topology.subjects import validate_subject
 
     try:
         validate_subject(subject, wildcards=True)
@@ -111,9 +111,9 @@ async def _tail(
     from nats.js.errors import NotFoundError
 
     from meshforge.config import load_settings
-    from meshforge.connection import connect
     from meshforge.errors import MeshForgeError, one_line
-    from meshforge.topology import policy_name
+    from meshforge.topology.specs import policy_name
+    from meshforge.transport.connection import connect
 
     async with await connect(load_settings({}), url=url, name="meshforge-events") as conn:
         try:

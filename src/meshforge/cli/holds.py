@@ -36,7 +36,7 @@ def ls(
     from meshforge.runtime.engine import consumer_name
     from meshforge.runtime.holds import list_holds
     from meshforge.store import open_existing_store
-    from meshforge.subjects import validate_token
+    from meshforge.topology.subjects import validate_token
 
     settings = load_settings({"store_url": store})
     consumer = consumer_name(validate_token(agent, "agent name")) if agent else None
@@ -81,9 +81,9 @@ def release(
     from meshforge.errors import MeshForgeError
     from meshforge.runtime.engine import consumer_name
     from meshforge.runtime.holds import release as release_resource
-    from meshforge.scope import Scope
     from meshforge.store import open_existing_store
-    from meshforge.subjects import validate_token
+    from meshforge.topology.scope import Scope
+    from meshforge.topology.subjects import validate_token
 
     settings = load_settings({"store_url": store})
     consumer = consumer_name(validate_token(agent, "agent name"))

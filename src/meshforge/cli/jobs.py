@@ -13,8 +13,8 @@ from meshforge.cli.common import MetricsHost, MetricsPort, NatsUrl, nats_target
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
-    from meshforge.connection import Connection
     from meshforge.control.jobs import JobSpec
+    from meshforge.transport.connection import Connection
 
 job_app = typer.Typer(
     name="job",
@@ -96,11 +96,11 @@ def create(
     """Create a job and drive it to its end (exit 1 unless every node SUCCEEDED).
 
     Its state lives in JetStream: if this process dies, `meshforge ctl job run JOB` goes on."""
-    from meshforge.cli.ctl import _payload
+    from meshforge.cli.common import json_payload
     from meshforge.config import load_settings
     from meshforge.control.client import to_timestamp
 
-    body = _payload(payload)
+    body = json_payload(payload)
     named = _targets(site or [], node or [], nodes_file)
     options = {
         "rate": rate, "abort_after": abort_after, "min_done": min_done, "retries": retries,
@@ -116,7 +116,7 @@ def create(
 
 
 async def _connect(url: str, settings: Settings) -> Connection:
-    from meshforge.connection import connect
+    from meshforge.transport.connection import connect
 
     return await connect(settings, url=url, name="meshforge-ctl")
 
@@ -128,7 +128,8 @@ async def _create(
     from meshforge.control.fleet import announcements
     from meshforge.control.jobs import JobSpec, JobStore
     from meshforge.errors import ConfigError
-    from meshforge.topology import default_streams, ensure
+    from meshforge.topology.provision import ensure
+    from meshforge.topology.specs import default_streams
 
     async with await _connect(url, settings) as conn:
         if settings.provision:
@@ -150,8 +151,8 @@ async def _create(
 
 
 async def _drive(conn: Connection, store: Any, spec: JobSpec, settings: Settings) -> int:
-    from meshforge.control.rollout import JobController
-    from meshforge.observability import Metrics, serve_http
+    from meshforge.control.rollout import JobController, job_report
+    from meshforge.ops.observability import Metrics, serve_http
 
     metrics = Metrics()
     endpoint = None
@@ -170,7 +171,7 @@ async def _drive(conn: Connection, store: Any, spec: JobSpec, settings: Settings
     finally:
         if endpoint is not None:
             await endpoint.close()
-    report = await _report(store, spec.job)
+    report = await job_report(store, spec.job)
     _print_report(report)
     return 0 if final == "completed" and report["counts"]["SUCCEEDED"] == len(spec.targets) else 1
 
@@ -201,27 +202,6 @@ async def _run(url: str, settings: Settings, job: str) -> int:
         return await _drive(conn, store, await store.spec(job), settings)
 
 
-async def _report(store: Any, job: str) -> dict[str, Any]:
-    from meshforge.control.rollout import figures
-    from meshforge.envelope import now_ts
-
-    spec = await store.spec(job)
-    records = await store.nodes(job)
-    status = await store.status(job)
-    if status["status"] == "running" and await store.canceled(job):
-        status = {**status, "status": "canceling", "reason": "canceled; its controller finishes the cancel"}
-    return {
-        "job": job, "command": spec.command, "status": status["status"], "reason": status.get("reason"),
-        "created_at": spec.created_at, "targets": len(spec.targets), **figures(records), "at": now_ts(),
-        "nodes": [
-            {"site": r.site, "node": r.node, "state": r.state, "attempt": r.attempt,
-             "command_id": r.command_id, "node_epoch": r.node_epoch, "error": r.error,
-             "updated_at": r.updated_at}
-            for r in sorted(records.values(), key=lambda r: r.key)
-        ],
-    }  # fmt: skip
-
-
 def _print_report(report: dict[str, Any]) -> None:
     counts = " ".join(f"{s}={n}" for s, n in report["counts"].items() if n)
     reason = f" ({report['reason']})" if report["reason"] else ""
@@ -243,8 +223,10 @@ def status(job: JobName, as_json: Annotated[bool, typer.Option("--json", help="P
     from meshforge.control.jobs import JobStore
 
     async def read(url: str, settings: Settings) -> dict[str, Any]:
+        from meshforge.control.rollout import job_report
+
         async with await _connect(url, settings) as conn:
-            return await _report(await JobStore.open(conn.js, create=False), job)
+            return await job_report(await JobStore.open(conn.js, create=False), job)
 
     settings = load_settings({"nats_url": nats_url})
     with nats_target(settings.nats_url) as url:
@@ -263,11 +245,13 @@ def ls(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = Fa
     from meshforge.control.jobs import JobStore
 
     async def read(url: str, settings: Settings) -> list[dict[str, Any]]:
+        from meshforge.control.rollout import job_report
+
         async with await _connect(url, settings) as conn:
             store = await JobStore.open(conn.js)
             out = []
             for spec in await store.jobs():
-                report = await _report(store, spec.job)
+                report = await job_report(store, spec.job)
                 report.pop("nodes")
                 out.append(report)
             return out

@@ -48,8 +48,8 @@ def node(
     """Run a node: pull its mailbox control.cmd.SITE.NODE, run each command once, reply on
     control.reply.SITE.NODE. Its epoch (a boot counter in the store) goes up by one per start."""
     from meshforge.control.node import load_node
-    from meshforge.observability import configure_logging
-    from meshforge.subjects import validate_token
+    from meshforge.ops.observability import configure_logging
+    from meshforge.topology.subjects import validate_token
 
     validate_token(site, "site")
     validate_token(name, "node")
@@ -66,10 +66,10 @@ def node(
 async def _serve(
     instance: Node, site: str, name: str, url: str, settings: Settings, presence_interval: float
 ) -> None:
-    from meshforge.connection import connect
     from meshforge.control.runtime import NodeRuntime
-    from meshforge.observability import Metrics, serve_http
+    from meshforge.ops.observability import Metrics, serve_http
     from meshforge.store import open_store
+    from meshforge.transport.connection import connect
 
     metrics = Metrics()
     started: list[NodeRuntime] = []

@@ -81,7 +81,13 @@ def permissions(
     """
     from meshforge.config import load_settings
     from meshforge.errors import ConfigError
-    from meshforge.permissions import ROLES, User, authorization_block, leaf_block, role_grant
+    from meshforge.topology.permissions import (
+        ROLES,
+        User,
+        authorization_block,
+        leaf_block,
+        role_grant,
+    )
 
     unknown = [r for r in roles if r not in (*ROLES, "leaf")]
     if unknown:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from meshforge.cli.common import HOME, NatsUrl, nats_target
-from meshforge.credentials import redact_url
 from meshforge.errors import ConfigError, MissingTopology
+from meshforge.transport.credentials import redact_url
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -248,7 +248,7 @@ def replay(
     if not path.exists():
         raise ConfigError(f"no table at {table} (nor {output / table})")
     if subject:
-        from meshforge.subjects import validate_subject
+        from meshforge.topology.subjects import validate_subject
 
         validate_subject(subject)
     settings = load_settings({"nats_url": nats_url})

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from meshforge.config import Settings
-    from meshforge.provision import Plan
-    from meshforge.topology import ConsumerSpec, StreamSpec
+    from meshforge.topology.provision import Plan
+    from meshforge.topology.specs import ConsumerSpec, StreamSpec
 
 __all__ = ["provision", "register"]
 
@@ -89,7 +89,7 @@ def provision(
     Example: meshforge provision --agent order --agent inventory --site lab1 --node node7 --dry-run
     """
     from meshforge.config import load_settings
-    from meshforge.topology import (
+    from meshforge.topology.specs import (
         agent_consumer,
         default_streams,
         node_consumer,
@@ -120,9 +120,9 @@ async def _provision(
     dry_run: bool,
 ) -> None:
     from meshforge.cli.common import console as new_console
-    from meshforge.connection import connect
-    from meshforge.provision import apply, plan
-    from meshforge.subjects import STREAM_CONTROL
+    from meshforge.topology.provision import apply, plan
+    from meshforge.topology.subjects import STREAM_CONTROL
+    from meshforge.transport.connection import connect
 
     console = new_console()
     async with await connect(settings, url=url, name="meshforge-provision") as conn:
@@ -134,7 +134,7 @@ async def _provision(
                 f"applied {len(report.applied)} change(s)" if report.changed else "no changes"
             )
             if settings.partitions:
-                from meshforge.partitions import BUCKET, ensure_bucket
+                from meshforge.topology.partitions import BUCKET, ensure_bucket
 
                 await ensure_bucket(conn.js, settings)
                 console.print(f"partition bucket {BUCKET}: lease {settings.partition_lease:g}s")

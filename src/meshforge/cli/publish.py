@@ -26,7 +26,7 @@ from meshforge.errors import InvalidSubject, MalformedMessage
 if TYPE_CHECKING:
     from meshforge.config import Settings
     from meshforge.envelope import Envelope
-    from meshforge.publisher import PublishResult
+    from meshforge.publish.publisher import PublishResult
 
 
 def register(app: typer.Typer) -> None:
@@ -56,7 +56,7 @@ def publish(
 ) -> None:
     """Publish one command or event as an envelope (or any body as is, with --raw)."""
     from meshforge.config import load_settings
-    from meshforge.subjects import validate_subject
+    from meshforge.topology.subjects import validate_subject
 
     try:
         validate_subject(subject)
@@ -79,7 +79,7 @@ def publish(
         env = build_envelope(subject, body, key=key, source=source)
     except MalformedMessage as exc:
         raise typer.BadParameter(str(exc), param_hint="JSON") from None
-    from meshforge.partitions import partitioned
+    from meshforge.topology.partitions import partitioned
 
     subject = partitioned(subject, env, settings)
     with nats_target(settings.nats_url) as url:
@@ -154,11 +154,12 @@ def build_envelope(subject: str, text: str, *, key: str | None, source: str) -> 
 async def _publish(
     url: str, settings: Settings, subject: str, env: Envelope | bytes
 ) -> PublishResult:
-    from meshforge.connection import connect
     from meshforge.errors import PublishError
-    from meshforge.publisher import Publisher
-    from meshforge.subjects import matches
-    from meshforge.topology import default_streams, ensure
+    from meshforge.publish.publisher import Publisher
+    from meshforge.topology.provision import ensure
+    from meshforge.topology.specs import default_streams
+    from meshforge.topology.subjects import matches
+    from meshforge.transport.connection import connect
 
     streams = default_streams(settings)
     ours = any(matches(pattern, subject) for spec in streams for pattern in spec.subjects)

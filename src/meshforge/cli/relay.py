@@ -1,7 +1,7 @@
 """``meshforge relay``: publish the transactional outbox of a store until SIGINT/SIGTERM.
 
 Applications write messages into the outbox inside their own store transaction
-(``meshforge.outbox.enqueue``); this command is the process that sends them. Several
+(``meshforge.publish.outbox.enqueue``); this command is the process that sends them. Several
 relays may run against one store (rows are leased).
 """
 
@@ -22,10 +22,10 @@ if TYPE_CHECKING:
     from nats.js import JetStreamContext
 
     from meshforge.config import Settings
-    from meshforge.connection import Connection
-    from meshforge.observability import Metrics
-    from meshforge.outbox import OutboxRelay
+    from meshforge.ops.observability import Metrics
+    from meshforge.publish.outbox import OutboxRelay
     from meshforge.store.base import Store
+    from meshforge.transport.connection import Connection
 
 
 def register(app: typer.Typer) -> None:
@@ -46,7 +46,7 @@ def relay(
 ) -> None:
     """Publish the store's outbox until SIGINT/SIGTERM (rows sent once each, in id order)."""
     from meshforge.config import load_settings
-    from meshforge.observability import configure_logging
+    from meshforge.ops.observability import configure_logging
     from meshforge.store import open_store
 
     settings = load_settings(
@@ -76,9 +76,9 @@ async def run_relay(
 
     ``metrics``: where it counts (e.g. the worker's, so its endpoint shows the outbox depth);
     ``on_connect`` is given the connection once it is up (for health)."""
-    from meshforge.connection import connect
-    from meshforge.outbox import OutboxRelay
-    from meshforge.publisher import Publisher
+    from meshforge.publish.outbox import OutboxRelay
+    from meshforge.publish.publisher import Publisher
+    from meshforge.transport.connection import connect
 
     async with await connect(settings, name="meshforge-relay") as conn:
         if on_connect is not None:
@@ -100,7 +100,8 @@ async def _streams(js: JetStreamContext, settings: Settings) -> None:
     """Create the CONTRACT streams when allowed, so the first rows have somewhere to go."""
     if not settings.provision:
         return
-    from meshforge.topology import default_streams, ensure
+    from meshforge.topology.provision import ensure
+    from meshforge.topology.specs import default_streams
 
     await ensure(js, default_streams(settings), [])
 
@@ -111,7 +112,7 @@ async def _relay_until_signal(store: Store, settings: Settings, *, batch_size: i
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    from meshforge.observability import Metrics, serve_http
+    from meshforge.ops.observability import Metrics, serve_http
 
     metrics = Metrics()
     conns: list[Connection] = []

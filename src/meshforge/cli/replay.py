@@ -10,8 +10,8 @@ import typer
 from meshforge.cli.common import StoreUrl
 
 if TYPE_CHECKING:
-    from meshforge.scope import Scope
     from meshforge.store import Store
+    from meshforge.topology.scope import Scope
 
 
 def register(app: typer.Typer) -> None:
@@ -48,9 +48,9 @@ def replay(
     from meshforge.runtime.agent import Agent
     from meshforge.runtime.replay import replay as run_replay
     from meshforge.runtime.worker import import_from_cwd, load_agent
-    from meshforge.scope import Scope
     from meshforge.store import open_existing_store
-    from meshforge.subjects import validate_token
+    from meshforge.topology.scope import Scope
+    from meshforge.topology.subjects import validate_token
 
     import_from_cwd()
     instance: Agent[object] | None = load_agent(agent) if ":" in agent else None

@@ -71,7 +71,7 @@ def run(
     Shutdown is graceful: fetching stops, in-flight commands finish (or go back to the
     stream), nothing is lost.
     """
-    from meshforge.observability import configure_logging
+    from meshforge.ops.observability import configure_logging
     from meshforge.runtime.worker import freeze_start_up_heap, import_from_cwd, load_agent
 
     settings = service_settings(
@@ -84,7 +84,7 @@ def run(
         raise typer.BadParameter("--push and --deliver-group NAME go together", param_hint="--push")
     if deliver_group is not None:
         from meshforge.errors import InvalidSubject
-        from meshforge.subjects import validate_token
+        from meshforge.topology.subjects import validate_token
 
         try:
             validate_token(deliver_group, "deliver group")

@@ -17,8 +17,8 @@ import typer
 from meshforge.cli.common import HOME, announced, embedded_server, serving_home
 
 if TYPE_CHECKING:
-    from meshforge.cluster import EmbeddedCluster
-    from meshforge.server import EmbeddedServer
+    from meshforge.transport.cluster import EmbeddedCluster
+    from meshforge.transport.server import EmbeddedServer
 
 
 def register(app: typer.Typer) -> None:
@@ -45,7 +45,7 @@ def server(
             min=3,
             max=5,
             help="Run a local cluster of N JetStream servers (3 to 5) routed on loopback, "
-            "data under ./.meshforge/cluster/.",
+            "data under ./.meshforge/transport/cluster/.",
         ),
     ] = None,
     leaf: Annotated[
@@ -177,7 +177,7 @@ def _link_in_background(url: str, site: str, hub_domain: str) -> None:
 
 
 def _serve_cluster(size: int, port: int | None) -> None:
-    from meshforge.cluster import EmbeddedCluster
+    from meshforge.transport.cluster import EmbeddedCluster
 
     data_dir = HOME / "cluster"
     with (

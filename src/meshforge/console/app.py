@@ -22,10 +22,10 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshforge.config import Settings
-from meshforge.connection import connect
 from meshforge.console import jobs, letters, pages
 from meshforge.console.auth import CSP, SECURITY_HEADERS, ConsoleTokens
 from meshforge.console.web import HERE, Console
+from meshforge.transport.connection import connect
 
 __all__ = ["create_app"]
 

@@ -13,12 +13,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from meshforge.cli.jobs import _report
 from meshforge.console.auth import User, audit
 from meshforge.console.web import action, console_of, flash, fragment, page, render, see_other
 from meshforge.control.jobs import TERMINAL, JobStore
+from meshforge.control.rollout import job_report
 from meshforge.errors import MeshForgeError
-from meshforge.subjects import validate_token
+from meshforge.topology.subjects import validate_token
 
 __all__ = ["routes"]
 
@@ -56,7 +56,7 @@ async def list_page(request: Request) -> Response:
     if store is not None:
         specs = (await store.jobs())[-MAX_JOBS:]
         for spec in reversed(specs):  # newest first
-            rows.append(_progress(await _report(store, spec.job)))
+            rows.append(_progress(await job_report(store, spec.job)))
     name = "_jobs.html" if fragment(request) else "jobs.html"
     return render(request, name, {"jobs": rows, "max_jobs": MAX_JOBS})
 
@@ -65,7 +65,7 @@ async def list_page(request: Request) -> Response:
 async def job_page(request: Request) -> Response:
     job = _job_name(request)
     store = await JobStore.open(console_of(request).connection.js, create=False)
-    report = _progress(await _report(store, job))
+    report = _progress(await job_report(store, job))
     name = "_job.html" if fragment(request) else "job.html"
     return render(request, name, {"job": report})
 

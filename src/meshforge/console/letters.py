@@ -14,20 +14,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from meshforge.cli.dlq import (
-    SHOW_BYTES,
-    SHOW_HEADER_VALUE,
-    SHOW_HEADERS,
-    _pretty_json,
-    _printable,
-    _text_of,
-)
 from meshforge.console.auth import User, audit
 from meshforge.console.status import scope_filter
 from meshforge.console.web import Console, action, console_of, flash, page, render, see_other
-from meshforge.deadletter import DeadLetter
+from meshforge.deadletters.route import DeadLetter
+from meshforge.deadletters.show import (
+    SHOW_BYTES,
+    SHOW_HEADER_VALUE,
+    SHOW_HEADERS,
+    pretty_json,
+    printable,
+    text_of,
+)
 from meshforge.errors import MeshForgeError
-from meshforge.subjects import DEAD_LETTER_PREFIX, matches, validate_subject
+from meshforge.topology.subjects import DEAD_LETTER_PREFIX, matches, validate_subject
 
 __all__ = ["routes"]
 
@@ -109,10 +109,10 @@ async def list_page(request: Request) -> Response:
 def _headers(headers: dict[str, str]) -> tuple[list[tuple[str, str]], int]:
     shown = []
     for name, value in list(headers.items())[:SHOW_HEADERS]:
-        text = _printable(value[:SHOW_HEADER_VALUE])
+        text = printable(value[:SHOW_HEADER_VALUE])
         if len(value) > SHOW_HEADER_VALUE:
             text += f"... ({len(value)} characters in all)"
-        shown.append((_printable(name[:SHOW_HEADER_VALUE]), text))
+        shown.append((printable(name[:SHOW_HEADER_VALUE]), text))
     return shown, max(0, len(headers) - SHOW_HEADERS)
 
 
@@ -120,9 +120,9 @@ def _body(data: bytes) -> dict[str, Any]:
     """The body as the page shows it: pretty JSON, text, or escaped bytes, cut at SHOW_BYTES."""
     cut = len(data) > SHOW_BYTES
     part = data[:SHOW_BYTES]
-    text = _text_of(part, final=not cut)
-    pretty = _pretty_json(text, SHOW_BYTES) if text is not None and not cut else None
-    shown = pretty or (_printable(text) if text is not None else repr(part))
+    text = text_of(part, final=not cut)
+    pretty = pretty_json(text, SHOW_BYTES) if text is not None and not cut else None
+    shown = pretty or (printable(text) if text is not None else repr(part))
     kind = "JSON" if pretty else ("text" if text is not None else "binary")
     return {"text": shown, "kind": kind, "size": len(data), "cut": cut, "shown": len(part)}
 

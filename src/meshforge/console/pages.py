@@ -15,7 +15,7 @@ from meshforge.console.auth import REPORT_CSP, User, audit, client_of
 from meshforge.console.web import action, console_of, fragment, page, render, see_other
 from meshforge.control.client import ControlClient
 from meshforge.errors import ConfigError, MeshForgeError
-from meshforge.subjects import validate_token
+from meshforge.topology.subjects import validate_token
 
 __all__ = ["routes"]
 

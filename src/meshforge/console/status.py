@@ -18,11 +18,11 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from meshforge.connection import Connection
 from meshforge.control.client import ControlClient, NodeStatus
 from meshforge.control.presence import NODES_BUCKET
-from meshforge.deadletter import H_DLQ_REASON
-from meshforge.subjects import STREAM_COMMANDS, STREAM_FAILED, matches
+from meshforge.deadletters.route import H_DLQ_REASON
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_FAILED, matches
+from meshforge.transport.connection import Connection
 
 __all__ = ["ConsumerRow", "Overview", "StatusReader", "StreamRow"]
 

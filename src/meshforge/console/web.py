@@ -15,7 +15,6 @@ from starlette.responses import HTMLResponse, PlainTextResponse, RedirectRespons
 from starlette.templating import Jinja2Templates
 
 from meshforge.config import Settings
-from meshforge.connection import Connection
 from meshforge.console.auth import (
     CSRF_FIELD,
     ConsoleTokens,
@@ -25,9 +24,10 @@ from meshforge.console.auth import (
     current_user,
 )
 from meshforge.console.status import StatusReader
-from meshforge.deadletter import DeadLetters
+from meshforge.deadletters.admin import DeadLetters
 from meshforge.errors import MeshForgeError, one_line
-from meshforge.publisher import Publisher
+from meshforge.publish.publisher import Publisher
+from meshforge.transport.connection import Connection
 
 __all__ = ["Console", "Handler", "action", "console_of", "page", "render"]
 

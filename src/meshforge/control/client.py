@@ -24,19 +24,19 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from meshforge.config import Settings, parse_duration
-from meshforge.connection import Connection
 from meshforge.control.presence import Announcement, read_announcement
 from meshforge.control.reply import REPLY_TYPE, Reply
 from meshforge.envelope import H_CAUSATION, Envelope, decode
 from meshforge.errors import ConfigError, MalformedMessage
-from meshforge.publisher import Publisher
-from meshforge.subjects import (
+from meshforge.publish.publisher import Publisher
+from meshforge.topology.subjects import (
     STREAM_CONTROL,
     STREAM_REPLIES,
     control_command_subject,
     control_reply_subject,
     validate_token,
 )
+from meshforge.transport.connection import Connection
 
 __all__ = ["ControlClient", "NodeStatus", "TimeSpec", "node_durable", "to_timestamp"]
 

@@ -16,7 +16,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, N
 
 from meshforge.control.client import node_durable
 from meshforge.control.presence import NODES_BUCKET, STALE_INTERVALS, Announcement
-from meshforge.subjects import STREAM_CONTROL, control_command_subject, validate_token
+from meshforge.topology.subjects import STREAM_CONTROL, control_command_subject, validate_token
 
 __all__ = ["GONE_INTERVALS", "Liveness", "NodeRow", "list_nodes", "liveness"]
 

@@ -31,7 +31,7 @@ from nats.js.kv import KeyValue
 
 from meshforge.envelope import now_ts
 from meshforge.errors import ConfigError, MeshForgeError
-from meshforge.subjects import validate_token
+from meshforge.topology.subjects import JOBS_BUCKET, validate_token
 
 __all__ = [
     "FAILED_STATES",
@@ -47,7 +47,6 @@ __all__ = [
     "job_canceled",
 ]
 
-JOBS_BUCKET = "MESHFORGE_JOBS"
 NodeState = Literal[
     "QUEUED", "IN_PROGRESS", "SUCCEEDED", "FAILED", "TIMED_OUT", "REJECTED", "EXPIRED", "CANCELED"
 ]

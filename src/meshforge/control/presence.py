@@ -34,7 +34,7 @@ from nats.js.kv import KeyValue
 
 from meshforge.envelope import now_ts
 from meshforge.errors import one_line
-from meshforge.subjects import validate_token
+from meshforge.topology.subjects import NODES_BUCKET, validate_token
 
 __all__ = [
     "NODES_BUCKET",
@@ -47,7 +47,6 @@ __all__ = [
 
 log = logging.getLogger("meshforge.control.presence")
 
-NODES_BUCKET = "MESHFORGE_NODES"
 # A node not heard from for this many intervals is reported as not alive.
 STALE_INTERVALS = 3
 

@@ -31,7 +31,6 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from meshforge.connection import Connection
 from meshforge.control.client import ControlClient
 from meshforge.control.jobs import (
     FAILED_STATES,
@@ -46,9 +45,10 @@ from meshforge.control.jobs import (
 from meshforge.control.reply import Reply
 from meshforge.envelope import H_CAUSATION, decode, now_ts
 from meshforge.errors import MalformedMessage
-from meshforge.faults import crash_point
-from meshforge.observability import Metrics
-from meshforge.subjects import STREAM_REPLIES
+from meshforge.ops.faults import crash_point
+from meshforge.ops.observability import Metrics
+from meshforge.topology.subjects import STREAM_REPLIES
+from meshforge.transport.connection import Connection
 
 __all__ = ["JobController", "figures", "summarize"]
 
@@ -351,3 +351,22 @@ class JobController:
         if spec.timeout is not None:
             limits.append((start - now).total_seconds() + spec.timeout)
         return max(1.0, min(limits)) if limits else None
+
+
+async def job_report(store: JobStore, job: str) -> dict[str, Any]:
+    """A job's state as `ctl job status --json` prints it and the console shows it."""
+    spec = await store.spec(job)
+    records = await store.nodes(job)
+    status = await store.status(job)
+    if status["status"] == "running" and await store.canceled(job):
+        status = {**status, "status": "canceling", "reason": "canceled; its controller finishes the cancel"}
+    return {
+        "job": job, "command": spec.command, "status": status["status"], "reason": status.get("reason"),
+        "created_at": spec.created_at, "targets": len(spec.targets), **figures(records), "at": now_ts(),
+        "nodes": [
+            {"site": r.site, "node": r.node, "state": r.state, "attempt": r.attempt,
+             "command_id": r.command_id, "node_epoch": r.node_epoch, "error": r.error,
+             "updated_at": r.updated_at}
+            for r in sorted(records.values(), key=lambda r: r.key)
+        ],
+    }  # fmt: skip

@@ -33,24 +33,25 @@ from typing import Any, TypeVar
 import msgspec
 
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection
-from meshforge.consumer import Consumer, Decision, Delivery
+from meshforge.consume.consumer import Consumer, Decision, Delivery
 from meshforge.control.client import node_durable
 from meshforge.control.jobs import job_canceled
 from meshforge.control.node import CommandContext, Node
 from meshforge.control.presence import Presence
 from meshforge.control.reply import Status, reply_envelope
-from meshforge.deadletter import REASONS
+from meshforge.deadletters.route import REASONS
 from meshforge.envelope import Envelope, decode
 from meshforge.errors import Expired, MalformedMessage, Rejected, Retry, Unrecoverable, one_line
-from meshforge.faults import crash_point
-from meshforge.observability import Metrics
-from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
-from meshforge.publisher import Publisher
-from meshforge.retention import cleanup_loop
+from meshforge.ops.faults import crash_point
+from meshforge.ops.observability import Metrics
+from meshforge.ops.probes import DEFAULT_PROBE_INTERVAL, Probes
+from meshforge.ops.retention import cleanup_loop
+from meshforge.publish.publisher import Publisher
 from meshforge.store.base import Store, Transaction
-from meshforge.subjects import control_reply_subject
-from meshforge.topology import default_streams, ensure, node_consumer
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams, node_consumer
+from meshforge.topology.subjects import control_reply_subject
+from meshforge.transport.connection import Connection
 
 __all__ = ["NodeRuntime"]
 

@@ -29,12 +29,13 @@ from nats.js import JetStreamContext
 from nats.js.api import ExternalStream, KeyValueConfig, StorageType, StreamSource
 
 from meshforge.config import Settings, load_settings
-from meshforge.connection import connect
 from meshforge.control.jobs import JOBS_BUCKET
 from meshforge.control.presence import NODES_BUCKET, nodes_bucket
-from meshforge.server import EmbeddedServer
-from meshforge.subjects import STREAM_CONTROL, STREAM_REPLIES, validate_token
-from meshforge.topology import default_streams, ensure
+from meshforge.topology.provision import ensure
+from meshforge.topology.specs import default_streams
+from meshforge.topology.subjects import STREAM_CONTROL, STREAM_REPLIES, validate_token
+from meshforge.transport.connection import connect
+from meshforge.transport.server import EmbeddedServer
 
 __all__ = [
     "HUB_DOMAIN",

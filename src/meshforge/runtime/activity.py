@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from meshforge.observability import Metrics
+from meshforge.ops.observability import Metrics
 
 __all__ = ["Totals", "summarize", "totals"]
 

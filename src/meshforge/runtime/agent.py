@@ -38,7 +38,7 @@ import msgspec
 
 from meshforge.envelope import Envelope
 from meshforge.errors import ConfigError, Unrecoverable
-from meshforge.subjects import validate_token
+from meshforge.topology.subjects import validate_token
 
 __all__ = [
     "SINGLETON",

@@ -23,14 +23,14 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from meshforge.decisions import Decision, Delivery
+from meshforge.consume.decisions import Decision, Delivery
 from meshforge.envelope import Envelope
 from meshforge.errors import StoreError
 from meshforge.runtime.agent import Agent, CommandSpec
 from meshforge.runtime.holds import Holds
-from meshforge.scope import Scope
 from meshforge.store.base import NewEffect, NewEvent, Store, StoredOutput, Transaction
 from meshforge.store.logtail import DuplicateEffect, append_with_states, read_group, store_effects
+from meshforge.topology.scope import Scope
 
 __all__ = ["Conflict", "EffectStore", "Opened", "Plan", "Work", "drive"]
 

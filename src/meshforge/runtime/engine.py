@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from meshforge.config import Settings
-from meshforge.decisions import (
+from meshforge.consume.decisions import (
     REASON_MAX_DELIVERIES,
     REASON_UNRECOVERABLE,
     Action,
@@ -55,10 +55,9 @@ from meshforge.errors import (
     Unrecoverable,
     one_line,
 )
-from meshforge.faults import crash_point
-from meshforge.observability import Metrics
-from meshforge.partitions import partitioned
-from meshforge.publisher import Publisher
+from meshforge.ops.faults import crash_point
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
 from meshforge.runtime.agent import Agent, CommandSpec, Event, Output
 from meshforge.runtime.effects import Conflict, EffectStore, Opened, Plan, Work, drive
 from meshforge.runtime.holds import Holds, Slot
@@ -66,9 +65,10 @@ from meshforge.runtime.killswitch import KillSwitch, is_outage
 from meshforge.runtime.marks import PublishedMarks
 from meshforge.runtime.outputs import build_outputs, decode_payload, event_name
 from meshforge.runtime.stage import PublishStage
-from meshforge.scope import Scope, command_scope
-from meshforge.sizes import SizeLimits, check_fits
 from meshforge.store.base import Store, StoredOutput
+from meshforge.topology.partitions import partitioned
+from meshforge.topology.scope import Scope, command_scope
+from meshforge.transport.sizes import SizeLimits, check_fits
 
 __all__ = ["Engine", "consumer_name"]
 

@@ -30,17 +30,18 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from meshforge.errors import one_line
-from meshforge.scope import Scope
+from meshforge.topology.scope import Scope
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
 
-    from meshforge.runtime.effects import Work
+    from meshforge.consume.decisions import Delivery
+    from meshforge.envelope import Envelope
     from meshforge.store.base import Transaction
-    from meshforge.topology import ConsumerSpec
+    from meshforge.topology.specs import ConsumerSpec
 
 __all__ = ["HoldView", "Holds", "Slot", "list_holds", "release", "seed_from_stream", "stream_has"]
 
@@ -48,6 +49,22 @@ log = logging.getLogger("meshforge.engine")
 
 Slot = tuple[Scope, str]  # a resource of one scope
 Key = tuple[Scope, str]  # an idempotency key of one scope
+
+
+class Held(Protocol):
+    """What holding needs of a delivery on its way (the engine's ``Work``), so it need not import it."""
+
+    @property
+    def delivery(self) -> Delivery: ...
+    @property
+    def env(self) -> Envelope: ...
+    @property
+    def resource(self) -> str: ...
+    @property
+    def scope(self) -> Scope: ...
+
+
+W = TypeVar("W", bound=Held)
 
 # A held command comes back this long after the command it waits for is due.
 _AFTER = 0.2
@@ -114,7 +131,7 @@ class Holds:
 
     # ------------------------------------------------------------------ the index
 
-    def arrive(self, works: Iterable[Work]) -> None:
+    def arrive(self, works: Iterable[Held]) -> None:
         """These deliveries are in flight here."""
         now = time.monotonic()
         for w in works:
@@ -132,16 +149,16 @@ class Holds:
         for slot, seq in found:
             self._open.setdefault(slot, {}).setdefault(seq, _Entry(False, now + due_in, now, known=False))
 
-    def quiet(self, works: Iterable[Work]) -> bool:
+    def quiet(self, works: Iterable[Held]) -> bool:
         """Nothing but these works is outstanding for their resources (the usual case)."""
         return not self.stopped and all(len(self._open.get((w.scope, w.resource), ())) <= 1 for w in works)
 
-    def split(self, works: Sequence[Work]) -> tuple[list[Work], list[tuple[Work, float]]]:
+    def split(self, works: Sequence[W]) -> tuple[list[W], list[tuple[W, float]]]:
         """The works (in stream order) that may run now, and those held with their nak
         delays: a work is held when an earlier command of its resource is outstanding
         outside this group, or an earlier one of this group is held."""
-        run: list[Work] = []
-        held: list[tuple[Work, float]] = []
+        run: list[W] = []
+        held: list[tuple[W, float]] = []
         now = time.monotonic()
         group = {w.delivery.seq for w in works}
         waits: dict[Slot, float] = {}
@@ -158,7 +175,7 @@ class Holds:
             self._held.setdefault(w.delivery.seq, now)
         return run, held
 
-    def _wait(self, w: Work, group: set[int], now: float) -> float | None:
+    def _wait(self, w: Held, group: set[int], now: float) -> float | None:
         """The nak delay for a work that must wait, else None."""
         slot, seq = (w.scope, w.resource), w.delivery.seq
         head = self.stopped.get(slot)
@@ -191,7 +208,7 @@ class Holds:
             entry.here, entry.known = False, True
             entry.due = time.monotonic() + delay
 
-    async def recheck(self, works: Iterable[Work]) -> None:
+    async def recheck(self, works: Iterable[Held]) -> None:
         """Ask the stream about blockers of these works that stayed away past their due
         time; drop the ones it no longer has (acknowledged by another worker)."""
         if self.present is None:
@@ -223,7 +240,7 @@ class Holds:
             return num_delivered
         return max(num_delivered - self.counts.get((scope, key), 0), 1)
 
-    def count(self, tx: Transaction, held: Sequence[Work]) -> None:
+    def count(self, tx: Transaction, held: Sequence[Held]) -> None:
         """Count one held delivery for each (in the store first, then here)."""
         self._write(tx, _UPSERT, held)
         for w in held:
@@ -243,13 +260,13 @@ class Holds:
             del self.stopped[slot]
             self._forget.add((slot[0], key))
 
-    def stop(self, tx: Transaction, heads: Sequence[Work]) -> None:
+    def stop(self, tx: Transaction, heads: Sequence[Held]) -> None:
         """Keep these dead-lettered commands' resources held (in the store first)."""
         self._write(tx, _STOP, heads)
         for w in heads:
             self.stopped[(w.scope, w.resource)] = w.env.key
 
-    def _write(self, tx: Transaction, sql: str, works: Sequence[Work]) -> None:
+    def _write(self, tx: Transaction, sql: str, works: Sequence[Held]) -> None:
         now = time.time()
         for w in works:
             tx.execute(sql, (

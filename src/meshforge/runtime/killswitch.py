@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from meshforge.errors import StoreError, one_line
-from meshforge.observability import Metrics
+from meshforge.ops.observability import Metrics
 
 __all__ = ["OUTAGE_KINDS", "PROBE_DELAYS", "REMIND_EVERY", "KillSwitch", "is_outage"]
 

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from meshforge.errors import StoreError
-from meshforge.scope import Scope
+from meshforge.topology.scope import Scope
 
 __all__ = ["PublishedMarks"]
 

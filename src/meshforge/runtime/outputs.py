@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 import msgspec
 
 from meshforge.envelope import Envelope, Outbound, now_ts
-from meshforge.partitions import partition_key, partition_subject
 from meshforge.runtime.agent import Agent, Event, Output, Send
-from meshforge.scope import Scope, command_scope
 from meshforge.store.base import NewEvent, StoredOutput
-from meshforge.subjects import command_subject, event_subject
+from meshforge.topology.partitions import partition_key, partition_subject
+from meshforge.topology.scope import Scope, command_scope
+from meshforge.topology.subjects import command_subject, event_subject
 
 __all__ = ["build_outputs", "decode_payload", "event_name", "normalize_payload", "scope_of"]
 

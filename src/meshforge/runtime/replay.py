@@ -32,8 +32,8 @@ import msgspec
 
 from meshforge.runtime.agent import Agent, Event
 from meshforge.runtime.outputs import event_name
-from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store.base import Store, StoredEvent
+from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
 __all__ = ["ReplayResult", "StateHasher", "canonical", "label", "replay", "state_hash"]
 

@@ -21,8 +21,8 @@ import logging
 from collections.abc import Callable, Sequence
 
 from meshforge.errors import PublishError
-from meshforge.faults import crash_point
-from meshforge.publisher import Message, Publisher
+from meshforge.ops.faults import crash_point
+from meshforge.publish.publisher import Message, Publisher
 from meshforge.runtime.killswitch import KillSwitch
 
 __all__ = ["PublishStage"]

@@ -14,7 +14,7 @@ it cannot run beside an unbound worker of the same agent, whose filter overlaps 
 on the work-queue stream: provisioning refuses that, naming both consumers.
 
 With ``partitions = N`` (``MESHFORGE_PARTITIONS``) each agent's commands are split by
-resource over N durables plus one for unpartitioned subjects (``meshforge.partitions``);
+resource over N durables plus one for unpartitioned subjects (``meshforge.topology.partitions``);
 the workers share them out through leases, and each runs one consumer per partition it
 owns, spread over ``LANES`` engines of the agent (each one transaction in flight).
 """
@@ -34,16 +34,14 @@ from functools import partial
 from typing import Any
 
 from meshforge.config import Settings, load_settings
-from meshforge.connection import Connection, connect
-from meshforge.consumer import Consumer
-from meshforge.deadletter import REASONS
-from meshforge.decisions import Decision, Delivery, Handler
+from meshforge.consume.consumer import Consumer
+from meshforge.consume.decisions import Decision, Delivery, Handler
+from meshforge.deadletters.route import REASONS
 from meshforge.errors import ConfigError, MissingTopology, TopologyError, one_line
-from meshforge.observability import HttpEndpoint, Metrics, serve_http
-from meshforge.partitions import Leases, ensure_bucket, lease_of, open_bucket, pinned_client, unpin
-from meshforge.probes import DEFAULT_PROBE_INTERVAL, Probes
-from meshforge.publisher import Publisher
-from meshforge.retention import store_retention
+from meshforge.ops.observability import HttpEndpoint, Metrics, serve_http
+from meshforge.ops.probes import DEFAULT_PROBE_INTERVAL, Probes
+from meshforge.ops.retention import store_retention
+from meshforge.publish.publisher import Publisher
 from meshforge.runtime.activity import summarize
 from meshforge.runtime.agent import Agent
 from meshforge.runtime.engine import Engine, consumer_name
@@ -51,15 +49,23 @@ from meshforge.runtime.holds import Holds, seed_from_stream, stream_has
 from meshforge.runtime.killswitch import KillSwitch
 from meshforge.store import open_store
 from meshforge.store.base import Store
-from meshforge.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
-from meshforge.topology import (
+from meshforge.topology.partitions import (
+    Leases,
+    ensure_bucket,
+    lease_of,
+    open_bucket,
+    pinned_client,
+    unpin,
+)
+from meshforge.topology.provision import ensure, verify
+from meshforge.topology.specs import (
     ConsumerSpec,
     agent_consumer,
     default_streams,
-    ensure,
     partition_consumers,
-    verify,
 )
+from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_EVENTS, STREAM_FAILED
+from meshforge.transport.connection import Connection, connect
 
 __all__ = ["SWITCH_INTERVAL", "Worker", "import_from_cwd", "load_agent", "quick_thread_switches"]
 

@@ -30,7 +30,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import IntegerType
 from pyspark.sql.window import Window
 
-from meshforge.originals import ORIGINAL_PREFIX
+from meshforge.deadletters.originals import ORIGINAL_PREFIX
 
 __all__ = ["StoreTables", "compute"]
 

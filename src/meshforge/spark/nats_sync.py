@@ -26,8 +26,6 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from meshforge.config import parse_duration
-from meshforge.connect_retry import attempt_connect, check_inbox, close_bounded, retry_connect
-from meshforge.credentials import NatsAuth, nats_auth_options, redact_url
 from meshforge.errors import (
     ConfigError,
     ConnectionFailed,
@@ -35,7 +33,9 @@ from meshforge.errors import (
     MissingTopology,
     one_line,
 )
-from meshforge.subjects import validate_subject
+from meshforge.topology.subjects import validate_subject
+from meshforge.transport.credentials import NatsAuth, nats_auth_options, redact_url
+from meshforge.transport.retry import attempt_connect, check_inbox, close_bounded, retry_connect
 
 __all__ = ["ConnOptions", "JetStreamApiError", "StreamInfo", "SyncNats", "lower_keys"]
 

@@ -94,7 +94,7 @@ class ReadOptions:
             raise ConfigError("jetstream: option 'stream' is required (e.g. MESHFORGE_EVENTS)")
         filter_subject = options.get("filtersubject") or None
         if filter_subject:
-            from meshforge.subjects import validate_subject
+            from meshforge.topology.subjects import validate_subject
 
             validate_subject(filter_subject, wildcards=True)
         return cls(

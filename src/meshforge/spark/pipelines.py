@@ -24,11 +24,11 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from meshforge.deadletters.originals import ORIGINAL_PREFIX
 from meshforge.errors import ConfigError
-from meshforge.originals import ORIGINAL_PREFIX
 from meshforge.spark.audit import StoreTables, compute
 from meshforge.spark.report import write_report
-from meshforge.subjects import DEAD_LETTER_PREFIX
+from meshforge.topology.subjects import DEAD_LETTER_PREFIX
 
 __all__ = [
     "AuditResult",

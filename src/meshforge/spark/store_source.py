@@ -127,7 +127,7 @@ def _outputs(store: Store, _: object) -> Iterator[tuple[Any, ...]]:
 
 
 def _events(store: Store, log: object) -> Iterator[tuple[Any, ...]]:
-    from meshforge.scope import Scope
+    from meshforge.topology.scope import Scope
 
     if not isinstance(log, tuple):
         return

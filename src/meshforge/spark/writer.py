@@ -39,9 +39,9 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import BinaryType, MapType, StringType, StructType
 
 from meshforge.errors import ConfigError, PublishError, one_line
-from meshforge.sizes import SizeLimits, check_fits
 from meshforge.spark.nats_sync import ConnOptions, SyncNats, lower_keys
-from meshforge.subjects import validate_subject
+from meshforge.topology.subjects import validate_subject
+from meshforge.transport.sizes import SizeLimits, check_fits
 
 __all__ = [
     "JetStreamStreamWriter",

@@ -3,7 +3,7 @@
 Everything a command changes (state, events, outputs, the idempotency key, outbox rows,
 the user's own tables) is written through one ``Transaction`` so it commits or vanishes
 together. What an agent keeps is scoped: states, events, effects and inbox rows take a
-``scope`` (tenant and namespace, ``meshforge.scope.Scope``; the default scope when
+``scope`` (tenant and namespace, ``meshforge.topology.scope.Scope``; the default scope when
 omitted), so two tenants may use one resource id or one idempotency key apart. The API is synchronous and thread-safe; async code calls it through
 ``asyncio.to_thread``.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, Protocol, TypeVar
 
-from meshforge.scope import DEFAULT_SCOPE, Scope
+from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
 T = TypeVar("T")
 

@@ -12,10 +12,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from meshforge.errors import StoreError
-from meshforge.scope import Scope
 from meshforge.store.base import NewEffect, NewState, Scoped, StoredOutput
 from meshforge.store.packing import pack_outputs, unpack_outputs
 from meshforge.store.sql import Dialect, Runner, spoils
+from meshforge.topology.scope import Scope
 
 # The batch statements a backend may also send its own way (``meshforge.store.postgres``).
 # Each joins a ``{keys}`` table of (tenant, namespace, agent or consumer, id) rows.

@@ -18,7 +18,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
 
 from meshforge.errors import StoreError
-from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store.base import (
     DialectName,
     EffectRecord,
@@ -40,6 +39,7 @@ from meshforge.store.sql import (
     load_headers,
 )
 from meshforge.store.transaction import INBOX_COLUMNS, SqlTransaction, inbox_record
+from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
 T = TypeVar("T")
 Clock = Callable[[], datetime]

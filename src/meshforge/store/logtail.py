@@ -32,8 +32,8 @@ from functools import cache
 from typing import Protocol, TypeGuard, runtime_checkable
 
 from meshforge.errors import StoreError
-from meshforge.scope import Scope
 from meshforge.store.base import NewEffect, NewEvent, NewState, Scoped, StoredOutput, Transaction
+from meshforge.topology.scope import Scope
 
 __all__ = ["DuplicateEffect", "LogTail", "append_with_states", "read_group", "store_effects"]
 

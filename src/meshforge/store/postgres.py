@@ -36,7 +36,6 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from meshforge.errors import StoreError, one_line
-from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store.base import NewEffect, NewEvent, Scoped, StoredOutput, Transaction
 from meshforge.store.batch import EFFECTS_GET, EFFECTS_MARK_PUBLISHED, STATES_GET, lock_names
 from meshforge.store.core import Clock, SqlStore
@@ -54,6 +53,7 @@ from meshforge.store.sql import (
     utc,
 )
 from meshforge.store.transaction import SqlTransaction
+from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
 SCHEMES = ("postgresql://", "postgres://")
 # An array parameter (``?::text[]``) goes in binary: psycopg writes an array's text form in

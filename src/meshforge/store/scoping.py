@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from meshforge.scope import DEFAULT_SCOPE, Scope
+from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
 if TYPE_CHECKING:
     from meshforge.store.sql import Dialect, Runner

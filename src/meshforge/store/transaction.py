@@ -7,7 +7,6 @@ from datetime import datetime
 from typing import Any, cast
 
 from meshforge.errors import StoreError
-from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store.base import (
     InboxRecord,
     InboxStatus,
@@ -27,6 +26,7 @@ from meshforge.store.sql import (
     spoils,
     ts_or_none,
 )
+from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
 INBOX_COLUMNS = (
     "key, consumer, message_id, type, subject, stream, stream_seq, status, attempts, "

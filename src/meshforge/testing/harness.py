@@ -22,14 +22,14 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from meshforge.decisions import REASON_MAX_DELIVERIES, REASON_UNRECOVERABLE, Action, decide
+from meshforge.consume.decisions import REASON_MAX_DELIVERIES, REASON_UNRECOVERABLE, Action, decide
 from meshforge.envelope import Envelope, decode
 from meshforge.errors import one_line
 from meshforge.runtime.agent import Agent
 from meshforge.runtime.engine import _UNRECOVERABLE
 from meshforge.runtime.outputs import build_outputs
 from meshforge.store.base import StoredOutput
-from meshforge.subjects import command_subject
+from meshforge.topology.subjects import command_subject
 
 __all__ = ["AgentHarness", "HarnessDeadLetter", "Sent"]
 

@@ -25,15 +25,16 @@ from typing import Any, Self
 import nats.js.errors
 
 from meshforge.config import Settings
-from meshforge.connection import Connection, connect
-from meshforge.deadletter import DeadLetter, DeadLetters
+from meshforge.deadletters.admin import DeadLetters
+from meshforge.deadletters.route import DeadLetter
 from meshforge.envelope import Envelope, decode
-from meshforge.publisher import Publisher, PublishResult
+from meshforge.publish.publisher import Publisher, PublishResult
 from meshforge.runtime.agent import Agent
 from meshforge.runtime.worker import Worker
-from meshforge.scope import Scope
 from meshforge.store.base import Store
-from meshforge.subjects import STREAM_EVENTS, command_subject
+from meshforge.topology.scope import Scope
+from meshforge.topology.subjects import STREAM_EVENTS, command_subject
+from meshforge.transport.connection import Connection, connect
 
 __all__ = ["WorkerHarness"]
 

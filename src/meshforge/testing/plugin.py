@@ -26,11 +26,11 @@ import pytest
 
 from meshforge.config import Settings, load_settings
 from meshforge.runtime.agent import Agent
-from meshforge.server import EmbeddedServer
 from meshforge.store import open_store
 from meshforge.store.base import Store
 from meshforge.testing.harness import AgentHarness
 from meshforge.testing.live import WorkerHarness
+from meshforge.transport.server import EmbeddedServer
 
 __all__ = [
     "agent_harness",
@@ -90,8 +90,9 @@ def meshforge_settings(meshforge_url: str, meshforge_store_url: str) -> Settings
 
 async def reset_streams(settings: Settings) -> None:
     """Delete every stream of the server, then create the CONTRACT streams empty."""
-    from meshforge.connection import connect
-    from meshforge.topology import default_streams, ensure
+    from meshforge.topology.provision import ensure
+    from meshforge.topology.specs import default_streams
+    from meshforge.transport.connection import connect
 
     async with await connect(settings, name="meshforge-test-reset") as conn:
         for info in await conn.js.streams_info():
@@ -143,12 +144,12 @@ try:
 except ImportError:  # without it only the synchronous fixtures are offered
     pass
 else:
-    from meshforge.connection import Connection
+    from meshforge.transport.connection import Connection
 
     @pytest_asyncio.fixture
     async def meshforge_connection(meshforge_settings: Settings) -> AsyncIterator[Connection]:
         """A connection to the session server; the CONTRACT streams exist and are empty."""
-        from meshforge.connection import connect
+        from meshforge.transport.connection import connect
 
         await reset_streams(meshforge_settings)
         conn = await connect(meshforge_settings, name="meshforge-test")

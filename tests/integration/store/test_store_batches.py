@@ -11,8 +11,8 @@ import threading
 import pytest
 
 from meshforge.errors import StoreError
-from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store import NewEffect, NewState, Store, StoredOutput, open_store
+from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
 A = Scope("tenantA", "demo")
 B = Scope("tenantB", "demo")

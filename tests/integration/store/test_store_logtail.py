@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from meshforge.errors import StoreError
-from meshforge.scope import Scope
 from meshforge.store import NewEvent, Store
 from meshforge.store.base import NewEffect, NewState, StoredOutput, Transaction
 from meshforge.store.logtail import DuplicateEffect, append_with_states, read_group, store_effects
+from meshforge.topology.scope import Scope
 
 A = Scope("tenantA", "demo")
 B = Scope("tenantB", "demo")

@@ -15,9 +15,9 @@ import pytest
 from meshforge.demo import OrderAgent
 from meshforge.runtime.agent import Event
 from meshforge.runtime.replay import replay, state_hash
-from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store import StoredEvent, open_store
 from meshforge.store import schema as schema_module
+from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
 A = Scope("tenantA", "demo")
 B = Scope("tenantB", "demo")

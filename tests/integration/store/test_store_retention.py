@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 from meshforge.errors import StoreError
-from meshforge.retention import store_retention
+from meshforge.ops.retention import store_retention
 from meshforge.store import Store, StoredOutput
 
 if TYPE_CHECKING:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import uuid
 
-from meshforge.scope import DEFAULT_SCOPE, Scope
 from meshforge.store import NewEvent, Store, StoredOutput, Transaction
 from meshforge.store.base import InboxRecord
+from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
 A = Scope("tenantA", "demo")
 B = Scope("tenantB", "demo")

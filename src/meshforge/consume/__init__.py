@@ -1,0 +1,1 @@
+"""Getting messages out of JetStream: pull and push delivery, handlers, decisions, acks, the inbox."""

@@ -1,0 +1,1 @@
+"""Dead letters: routing a failed message to ``failed.<subject>``, inspecting and re-driving it."""

@@ -1,0 +1,1 @@
+"""Running it: metrics and health, probes, store retention, crash points, the settings table."""

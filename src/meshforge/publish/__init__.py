@@ -1,0 +1,1 @@
+"""Getting messages into JetStream: the publisher, the sync publisher and the outbox."""

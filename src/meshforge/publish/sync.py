@@ -1,0 +1,234 @@
+"""``SyncPublisher``: publish from threads and web apps (Django, Flask, any WSGI server).
+
+One background thread runs an event loop with one connection and one ``Publisher``;
+``publish`` hands the message to it and blocks until the PubAck (or the error). Any
+number of threads may call it at once. At most ``max_pending`` messages wait at a time:
+a caller beyond that waits for a slot (up to its timeout), so a stalled server slows
+callers down instead of filling memory. The loop starts on first use; it is closed at
+interpreter exit, and a child process after ``fork`` (gunicorn, uWSGI) starts its own
+loop and connection on its first publish instead of using the parent's.
+
+Example::
+
+    publisher = SyncPublisher(nats_url="nats://127.0.0.1:4222")
+
+    def view(request):
+        result = publisher.publish("cmd.default.shop.order.create", {"sku": "A-1", "qty": 2})
+        return {"seq": result.seq}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import os
+import threading
+import weakref
+from collections.abc import Coroutine, Mapping
+from concurrent.futures import Future
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from meshforge.config import Settings, load_settings
+from meshforge.envelope import Envelope
+from meshforge.errors import MalformedMessage, PublishError
+from meshforge.publish.publisher import Publisher, PublishResult
+from meshforge.transport.connection import Connection, connect
+
+__all__ = ["SyncPublisher", "envelope_for"]
+
+T = TypeVar("T")
+_LIVE: weakref.WeakSet[SyncPublisher] = weakref.WeakSet()
+
+
+def envelope_for(subject: str, payload: Mapping[str, Any], *, source: str = "meshforge") -> Envelope:
+    """A new envelope for ``payload`` whose type comes from a ``cmd``/``evt`` subject.
+
+    >>> envelope_for("cmd.default.shop.order.create", {"sku": "A-1"}).type
+    'order.create'
+    """
+    tokens = subject.split(".")
+    if tokens[0] not in ("cmd", "evt") or len(tokens) < 5:
+        raise MalformedMessage(
+            f"cannot derive a type from subject {subject!r}: publish an Envelope, or use a "
+            "cmd.<tenant>.<ns>.<agent>.<command> or evt.<tenant>.<ns>.<agent>.<event> subject"
+        )
+    # A partitioned command's sixth token is its partition, not part of the type.
+    verb = tokens[4] if tokens[0] == "cmd" and len(tokens) == 6 and tokens[5].isdigit() else ".".join(tokens[4:])
+    return Envelope.new(f"{tokens[3]}.{verb}", payload, source=source, tenant_id=tokens[1])
+
+
+class SyncPublisher:
+    """A thread-safe, blocking publisher; see the module docstring.
+
+    ``settings`` (default ``load_settings()``) gives the server, credentials and retry
+    policy; ``nats_url`` overrides the server. ``timeout`` bounds each ``publish`` call
+    (waiting for a slot, the retries and the PubAck) unless the call gives its own.
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        nats_url: str | None = None,
+        max_pending: int = 1024,
+        timeout: float = 30.0,
+        name: str = "meshforge-sync",
+    ) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.settings = settings if settings is not None else load_settings()
+        self.nats_url = nats_url
+        self.max_pending = max_pending
+        self.timeout = timeout
+        self.name = name
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._conn: Connection | None = None
+        self._publisher: Publisher | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._closed = False
+        self._pid = os.getpid()
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ public
+    def publish(
+        self,
+        subject: str,
+        data: Envelope | bytes | Mapping[str, Any],
+        *,
+        headers: dict[str, str] | None = None,
+        msg_id: str | None = None,
+        timeout: float | None = None,
+    ) -> PublishResult:
+        """Publish and wait for the PubAck; raise ``PublishError`` (or ``ConnectionFailed``).
+
+        ``data`` is an ``Envelope``, bytes as they are, or a payload dict made into an
+        envelope whose type comes from the subject (``cmd.<t>.<ns>.<agent>.<command>``).
+        """
+        if isinstance(data, Mapping):
+            data = envelope_for(subject, data, source=self.name)
+        limit = self.timeout if timeout is None else timeout
+        if not self._slots.acquire(timeout=limit):
+            raise PublishError(
+                f"publish to {subject!r}: {self.max_pending} messages already waiting for "
+                f"their PubAck for {limit:g}s",
+                kind="backpressure",
+                retriable=True,
+            )
+        try:
+            future = self._submit(self._publish(subject, data, headers, msg_id))
+            try:
+                return future.result(limit)
+            except TimeoutError:
+                future.cancel()
+                raise PublishError(
+                    f"publish to {subject!r}: no PubAck within {limit:g}s", kind="timeout", retriable=True
+                ) from None
+        finally:
+            self._slots.release()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close the connection (waiting for what is in flight) and stop the thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is None or thread is None or os.getpid() != self._pid:
+            return
+        if thread.is_alive():
+            done = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
+            with contextlib.suppress(Exception):  # closing must not fail: the loop stops anyway
+                done.result(timeout)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout)
+        if not thread.is_alive():
+            loop.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the loop thread
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise PublishError("the SyncPublisher is closed", kind="closed")
+            if self._pid != os.getpid():
+                self._forget()  # the parent's thread does not exist here
+            if self._loop is None:
+                self._start()
+            loop = self._loop
+        assert loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def _start(self) -> None:
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_forever()
+
+        thread = threading.Thread(target=run, name=f"{self.name}-loop", daemon=True)
+        thread.start()
+        ready.wait()
+        self._loop, self._thread = loop, thread
+        self._connecting = asyncio.Lock()
+
+    def _forget(self) -> None:
+        """After fork: drop the parent's loop, thread and connection (never touch them)."""
+        self._loop = self._thread = None
+        self._conn = None
+        self._publisher = None
+        self._pid = os.getpid()
+
+    async def _publish(
+        self, subject: str, data: Envelope | bytes, headers: dict[str, str] | None, msg_id: str | None
+    ) -> PublishResult:
+        publisher = self._publisher
+        if publisher is None:
+            assert self._connecting is not None
+            async with self._connecting:  # the first callers share one connection
+                if self._publisher is None:
+                    self._conn = await connect(self.settings, url=self.nats_url, name=self.name)
+                    self._publisher = Publisher(self._conn.js, self.settings)
+                publisher = self._publisher
+        return await publisher.publish(subject, data, headers=headers, msg_id=msg_id)
+
+    async def _shutdown(self) -> None:
+        conn, self._conn, self._publisher = self._conn, None, None
+        if conn is not None:
+            await conn.close()
+
+
+def _close_all() -> None:
+    for publisher in list(_LIVE):
+        publisher.close(timeout=5.0)
+
+
+def _after_fork_in_child() -> None:
+    for publisher in list(_LIVE):
+        # Another parent thread may have held these at the fork: the child gets fresh ones.
+        publisher._lock = threading.Lock()
+        publisher._slots = threading.BoundedSemaphore(publisher.max_pending)
+        publisher._forget()
+
+
+atexit.register(_close_all)
+os.register_at_fork(after_in_child=_after_fork_in_child)

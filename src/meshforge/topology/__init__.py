@@ -1,0 +1,1 @@
+"""What exists on the server: subjects, streams and consumers, provisioning, partitions, permissions."""

@@ -1,0 +1,1 @@
+"""Talking to NATS: connecting, auth and TLS, headers, the embedded server, message sizes."""
