@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import signal
 
-__all__ = ["CRASH_POINTS", "crash_point"]
+__all__ = ["CRASH_POINTS", "JOB_CRASH_POINTS", "crash_point"]
 
+# The effect loop's points: tests/chaos/test_crash_points.py kills a worker at each.
 CRASH_POINTS = (
     "after_fetch",
     "after_enqueue",  # waiting for the commit stage
@@ -22,6 +23,9 @@ CRASH_POINTS = (
     "after_partial_publish",
     "after_publish",
     "after_ack",
+)
+# A job controller's (tests/integration/test_fleet_jobs.py).
+JOB_CRASH_POINTS = (
     "job_after_send",  # a job's command is in the mailbox, its node's state not yet written
 )
 

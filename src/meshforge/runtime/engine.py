@@ -264,12 +264,20 @@ class Engine(Generic[S]):
     async def _hold_back(self, works: list[Work]) -> list[Work]:
         """The works that may run now; the others (an earlier command of their resource is
         still to be applied) are nak'ed to come back after it, their held delivery counted."""
-        if not self._holds_loaded or self.holds.stale():
+        limit = self.settings.max_deliver
+        # Near the limit, the store's count of held deliveries decides (another worker of
+        # a shared durable may have held this command and counted it there).
+        near = [w for w in works if w.delivery.num_delivered >= limit]
+        whole = not self._holds_loaded or self.holds.stale()
+        if whole or near:
+            keys = [] if whole else [(w.scope, w.env.key) for w in near]
             try:
-                await self._in_thread(self.store.run, self.holds.load)
+                await self._in_thread(self.store.run, lambda tx: self.holds.load(tx, keys))
                 self._holds_loaded = True
             except StoreError as exc:  # an outage: the group's own transaction meets it too
                 log.debug("%s: held-delivery counts not read: %s", self.consumer, one_line(exc))
+        if near:
+            works = [w for w in works if not self._exhausted(w)]
         if self.holds.quiet(works):
             return works
         await self.holds.recheck(works)
@@ -285,6 +293,19 @@ class Engine(Generic[S]):
             self.metrics.held_back.labels(consumer=self.consumer).inc(len(held))
             log.debug("%s: %d command(s) held behind earlier ones of their resources", self.consumer, len(held))
         return run
+
+    def _exhausted(self, work: Work) -> bool:
+        """The delivery after the last attempt never runs (a worker killed by this command on
+        every attempt still ends in a dead letter): decide it here."""
+        attempts = self._attempts(work)
+        if attempts <= self.settings.max_deliver:
+            return False
+        work.decide(Decision.dead_letter(
+            REASON_MAX_DELIVERIES, f"attempted {attempts} times; the limit is {self.settings.max_deliver}"
+        ))  # fmt: skip
+        self.holds.settle((work.scope, work.resource), work.delivery.seq)
+        self.holds.forget(work.scope, work.env.key)
+        return True
 
     async def _stop_behind(self, works: list[Work], plan: Plan) -> None:
         """``hold_after_dead_letter``: a dead-lettered command's resource stays held (the
@@ -351,20 +372,10 @@ class Engine(Generic[S]):
         if forward is not None:
             return forward
         scope = command_scope(delivery.subject, env.tenant_id)
-        attempts = self.holds.attempts(scope, env.key, delivery.num_delivered)
         try:
             resource = self.agent.resource_key(env, spec)
         except Exception as exc:
-            return self._failure(delivery, exc, attempts)
-        if attempts > self.settings.max_deliver:
-            # The last delivery the limit allows never runs: a worker killed by this command
-            # on every attempt still ends in a dead letter.
-            self.holds.settle((scope, resource), delivery.seq)
-            self.holds.forget(scope, env.key)
-            return Decision.dead_letter(
-                REASON_MAX_DELIVERIES,
-                f"attempted {attempts} times; the limit is {self.settings.max_deliver}",
-            )
+            return self._failure(delivery, exc, self.holds.attempts(scope, env.key, delivery.num_delivered))
         return Work(index, delivery, env, spec, resource, scope, position=index)
 
     def slot_of(self, subject: str, data: bytes, headers: dict[str, str]) -> Slot | None:

@@ -96,6 +96,7 @@ ON CONFLICT (tenant, namespace, consumer, key) DO UPDATE SET stopped = 1, update
 """
 _DELETE = "DELETE FROM meshforge_holds WHERE tenant = ? AND namespace = ? AND consumer = ? AND key = ?"
 _LOAD = "SELECT tenant, namespace, key, held, stopped, resource_id FROM meshforge_holds WHERE consumer = ?"
+_COUNT = "SELECT held FROM meshforge_holds WHERE tenant = ? AND namespace = ? AND consumer = ? AND key = ?"
 
 
 @dataclass(slots=True)
@@ -280,9 +281,16 @@ class Holds:
             scope, key = self._forget.pop()
             tx.execute(_DELETE, (scope.tenant, scope.namespace, self.consumer, key))
 
-    def load(self, tx: Transaction) -> None:
-        """Read the held-delivery counts this consumer has in the store (at start, and when
-        a durable is taken over from another worker)."""
+    def load(self, tx: Transaction, keys: Sequence[Key] = ()) -> None:
+        """Read what the store holds for this consumer: every count and stopped resource
+        (at start, after a take-over, while a resource is stopped), or only the counts of
+        ``keys`` (commands near their limit, which another worker may have held)."""
+        if keys:
+            for scope, key in keys:
+                found = tx.execute(_COUNT, (scope.tenant, scope.namespace, self.consumer, key))
+                if found and found[0][0]:
+                    self.counts[(scope, key)] = int(found[0][0])
+            return
         rows: list[tuple[Any, ...]] = tx.execute(_LOAD, (self.consumer,))
         stopped: dict[Slot, str] = {}
         for tenant, namespace, key, held, stop, resource in rows:
