@@ -219,6 +219,17 @@ class JobStore:
         for value in await self._read(f"node.{job}.>"):
             record = NodeJob.decode(value)
             out[record.key] = record
+        # A record rewritten while the bucket was listed can be missing from the listing
+        # (its old revision gone, the new one after the listing's end): read it directly.
+        for site, node in (await self.spec(job)).targets:
+            if f"{site}.{node}" not in out:
+                try:
+                    entry = await self.kv.get(f"node.{job}.{site}.{node}")
+                except KeyNotFoundError:
+                    continue
+                if entry.value:
+                    record = NodeJob.decode(entry.value)
+                    out[record.key] = record
         return out
 
     async def _read(self, pattern: str) -> list[bytes]:
