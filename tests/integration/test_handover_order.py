@@ -25,7 +25,14 @@ from typing import Any
 import msgspec
 from nats.js.kv import KeyValue
 from partition_agents import Seen
-from test_partitions import check_order, ensure_bucket_exists, owners, start_worker, stepped
+from test_partitions import (
+    check_order,
+    ensure_bucket_exists,
+    owners,
+    start_worker,
+    stepped,
+    stop_worker,
+)
 
 from meshforge.config import Settings, load_settings
 from meshforge.envelope import Envelope, Outbound
@@ -159,15 +166,7 @@ async def rig(server: EmbeddedServer, store: str, tmp: Path) -> AsyncIterator[Ri
         yield made
     finally:
         for proc in made.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_worker(proc)
         await conn.close()
 
 

@@ -180,6 +180,20 @@ async def test_the_spare_slot_does_not_count_in_the_fair_share(js: JetStreamCont
 
 
 
+def stop_worker(proc: subprocess.Popen[bytes]) -> None:
+    """End a worker process, stopped (SIGSTOP) or not: gracefully, else killed after 30 s."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGCONT)
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def start_worker(url: str, store: str, log: Path, **extra: str) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHFORGE_")}
     env.update(
@@ -370,15 +384,7 @@ async def test_a_stalled_owner_cannot_apply_commands_out_of_order(
             with contextlib.suppress(Exception):
                 await feeding
         for proc in workers:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_worker(proc)
         await conn.close()
 
 

@@ -243,10 +243,8 @@ class Engine(Generic[S]):
             works[index].decide(decision)
             self._settle(works[index], decision)
         for work in plan.done:
-            slot = (work.scope, work.resource)
-            self.holds.settle(slot, work.delivery.seq)
-            self.holds.forget(work.scope, work.env.key)
-            self.holds.applied(slot, work.env.key)
+            self.holds.finish(work)
+            self.holds.applied((work.scope, work.resource), work.env.key)
         if plan.duplicates:
             self.metrics.duplicates_skipped.labels(consumer=self.consumer).inc(plan.duplicates)
         done = plan.done
@@ -303,8 +301,7 @@ class Engine(Generic[S]):
         work.decide(Decision.dead_letter(
             REASON_MAX_DELIVERIES, f"attempted {attempts} times; the limit is {self.settings.max_deliver}"
         ))  # fmt: skip
-        self.holds.settle((work.scope, work.resource), work.delivery.seq)
-        self.holds.forget(work.scope, work.env.key)
+        self.holds.finish(work)
         return True
 
     async def _stop_behind(self, works: list[Work], plan: Plan) -> None:
@@ -328,13 +325,11 @@ class Engine(Generic[S]):
 
     def _settle(self, work: Work, decision: Decision) -> None:
         """Tell the holds what became of a work that was not applied."""
-        slot = (work.scope, work.resource)
         if decision.action is Action.NAK:
             delay = decision.delay if decision.delay is not None else self._delay(work)
-            self.holds.away(slot, work.delivery.seq, delay or 0.0)
+            self.holds.away((work.scope, work.resource), work.delivery.seq, delay or 0.0)
         else:
-            self.holds.settle(slot, work.delivery.seq)
-            self.holds.forget(work.scope, work.env.key)
+            self.holds.finish(work)
 
     def _to_partition(self, delivery: Delivery, env: Envelope) -> StoredOutput | None:
         """A five-token command to a partitioned agent goes on to its partition's subject,
@@ -360,8 +355,7 @@ class Engine(Generic[S]):
         env = delivery.envelope
         if env is None:
             return Decision.dead_letter("malformed", "no envelope could be decoded")
-        name = self._command_of(env, delivery.subject)
-        spec = self._commands.get(name) if name else None
+        spec = self._spec_of(env, delivery.subject)
         if spec is None:
             return Decision.dead_letter(
                 "unrecoverable",
@@ -382,8 +376,7 @@ class Engine(Generic[S]):
         """The resource a stored command is about; None when this agent would not run it."""
         try:
             env = decode(data, headers)
-            name = self._command_of(env, subject)
-            spec = self._commands.get(name) if name else None
+            spec = self._spec_of(env, subject)
             if spec is None:
                 return None
             return command_scope(subject, env.tenant_id), self.agent.resource_key(env, spec)
@@ -395,15 +388,16 @@ class Engine(Generic[S]):
         over: its previous owner may have counted some)."""
         self._holds_loaded = False
 
-    def _command_of(self, env: Envelope, subject: str) -> str | None:
+    def _spec_of(self, env: Envelope, subject: str) -> CommandSpec | None:
+        """The agent's command an envelope names (by its type, else its subject), or None."""
         prefix = self.agent.name + "."
         if env.type.startswith(prefix):
-            return env.type[len(prefix) :]
+            return self._commands.get(env.type[len(prefix) :])
         tokens = subject.split(".")
         # A type naming another agent is not ours, whatever the subject says.
         if "." in env.type or len(tokens) < 5 or tokens[3] != self.agent.name:
             return None
-        return tokens[4]
+        return self._commands.get(tokens[4])
 
     async def _attempt(self, works: list[Work]) -> Plan:
         """Run the works in one transaction; if it fails for a reason of its own, split them."""

@@ -202,6 +202,11 @@ class Holds:
             if not entries:
                 del self._open[slot]
 
+    def finish(self, work: Held) -> None:
+        """Applied or dead-lettered: it holds nothing back, and its count row goes."""
+        self.settle((work.scope, work.resource), work.delivery.seq)
+        self.forget(work.scope, work.env.key)
+
     def away(self, slot: Slot, seq: int, delay: float) -> None:
         """Nak'ed: due again after ``delay`` seconds."""
         entry = self._open.get(slot, {}).get(seq)
