@@ -296,11 +296,7 @@ class EmbeddedServer(Managed):
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
-        if proc.stderr:
-            proc.stderr.close()
-        self.monitor_port = None
-        self._lock.release()
+        self._reap(proc)
 
     def kill(self) -> None:
         """Kill the server with SIGKILL, as a crash would: nothing is flushed."""
@@ -308,6 +304,9 @@ class EmbeddedServer(Managed):
         if proc is None:
             return
         proc.kill()
+        self._reap(proc)
+
+    def _reap(self, proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
         if proc.stderr:
             proc.stderr.close()
