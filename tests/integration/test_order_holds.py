@@ -29,8 +29,10 @@ from meshforge.errors import Retry
 from meshforge.ops.observability import Metrics
 from meshforge.publish.publisher import Publisher
 from meshforge.runtime import Agent, Event, Output, command
+from meshforge.runtime.holds import list_holds
 from meshforge.topology.partitions import partitioned
 from meshforge.topology.scope import Scope
+from meshforge.topology.subjects import STREAM_COMMANDS
 
 SCOPE = Scope("default", "test")
 
@@ -287,6 +289,50 @@ async def test_an_agent_may_stay_held_until_an_operator_releases_the_resource(
                         "--tenant", "default", "--namespace", "test")  # fmt: skip
             assert done.returncode == 0, done.stderr
             await polling.wait_until(lambda: _applied_async(store, agent, "a", [2, 3]), timeout=20, what="a released")
+    finally:
+        store.close()
+        await conn.close()
+
+
+async def test_a_head_dead_lettered_at_the_delivery_limit_stops_its_resource_too(
+    nats_url: str, sqlite_url: str
+) -> None:
+    """A head delivered past its limit (another worker took it and died on every attempt)
+    is dead-lettered without running, and, as for a dead letter decided in the
+    transaction, its resource stays held behind it."""
+    agent = seq_agent(stay_held=True)
+    settings = settings_for(nats_url, sqlite_url, backoff=(0.3, 0.3, 0.3), max_deliver=2)
+    conn = await open_conn(settings)
+    store = await open_store_async(sqlite_url)
+    metrics = Metrics()
+    consumer = f"{agent.name}_consumer"
+    try:
+        async with running([agent], settings, store=store):
+            pass  # the durable exists
+        head = await _send(conn, agent, "a", 1)
+        raw = await conn.js.pull_subscribe_bind(consumer, STREAM_COMMANDS)
+        for _ in range(2):  # its two attempts, each in a worker that died (nak stands for that)
+            [msg] = await raw.fetch(1, timeout=10)
+            await msg.nak()
+        await raw.unsubscribe()
+        for n in (2, 3):
+            await _send(conn, agent, "a", n)
+        await _send(conn, agent, "b", 1)
+        async with running([agent], settings, store=store, metrics=metrics):
+            await polling.wait_until(lambda: _has_letters(conn, agent, 1), timeout=15, what="the dead letter")
+            await polling.wait_until(lambda: _applied_async(store, agent, "b", [1]), timeout=15, what="b applied")
+            await polling.wait_until(
+                lambda: _value(metrics, "meshforge_held_back_total", consumer) >= 2, timeout=15,
+                what="a's later commands held",
+            )
+            with store.transaction() as tx:
+                views = list_holds(tx, consumer)
+            assert [(v.resource, v.stopped_by) for v in views] == [("a", head.key)]
+            assert _applied(store, agent, "a") == []
+        (letter,) = await dead_letters_of(conn, agent.name)
+        assert letter.headers is not None and letter.headers["Dlq-Reason"] == "max_deliveries"
+        assert letter.headers["Dlq-Error"] == "attempted 3 times; the limit is 2"
+        assert agent.attempts.get(head.id, 0) == 0  # type: ignore[attr-defined]
     finally:
         store.close()
         await conn.close()

@@ -2,7 +2,8 @@
 
 ``Acker.apply`` sends what a ``Decision`` says and counts it. A dead letter is published
 (and its PubAck awaited) before the original is acked; when that publish fails the
-original is nak'ed instead, so a message is never acked without its dead letter.
+original is nak'ed instead (the delay is the failure policy's, ``meshforge.consume.policy``),
+so a message is never acked without its dead letter.
 ``keep_alive`` sends ``in_progress`` every third of the ack wait while a handler runs
 (one task per consumer does it for every handler that runs that long).
 
@@ -32,8 +33,8 @@ from meshforge.consume.decisions import (
     Action,
     Decision,
     Delivery,
-    backoff_delay,
 )
+from meshforge.consume.policy import DEAD_LETTER_RETRY_DELAY, Cause, FailurePolicy, Outcome
 from meshforge.errors import one_line
 from meshforge.ops.faults import crash_point
 from meshforge.ops.observability import Metrics, observe_many
@@ -51,8 +52,6 @@ _REFUSED_AT_ADMISSION = frozenset({REASON_MALFORMED, REASON_REJECTED})
 
 # A delayed nak must say some delay: 0 would be a plain nak (redelivered at once).
 _LEAST_DELAY = 0.001
-#: Nak delay when a dead letter could not be published and there is no backoff schedule.
-DEAD_LETTER_RETRY_DELAY = 1.0
 
 
 class Acker:
@@ -71,6 +70,8 @@ class Acker:
     ) -> None:
         self.consumer = consumer
         self.backoff = tuple(backoff)
+        #: What a failed dead letter and a nak without a delay become (its backoff only).
+        self.policy = FailurePolicy(backoff=self.backoff)
         #: The consumer's AckWait and BackOff as the server has them (see ``nak_delay``).
         self.server_wait = server_wait
         self.ack_sync = ack_sync
@@ -94,11 +95,14 @@ class Acker:
             elif decision.action is Action.NAK:
                 delay = decision.delay
                 if delay is None:
-                    delay = backoff_delay(delivery.num_delivered, self.backoff)
+                    delay = self.policy.delay(delivery.num_delivered)
                 await msg.nak(self.nak_delay(delay, delivery.num_delivered))
                 self._naked.inc()
             elif decision.action is Action.TERM:
                 await msg.term()
+            elif decision.action is Action.IN_PROGRESS:
+                await msg.in_progress()
+                return
             else:
                 await self._dead_letter(delivery, decision)
                 return
@@ -162,7 +166,8 @@ class Acker:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # never ack what was not dead-lettered: nak, try again later
-            delay = backoff_delay(delivery.num_delivered, self.backoff) or DEAD_LETTER_RETRY_DELAY
+            retry = self.policy.decide(Outcome(Cause.DEAD_LETTER, delivery.num_delivered, exc))
+            delay = retry.delay
             log.error(
                 "dead letter (%s) for %s seq %d failed: %s; nak'ed, retried in %.1fs",
                 reason,

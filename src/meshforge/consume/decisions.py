@@ -1,18 +1,8 @@
 """What happens to a delivered message: the ``Decision`` a handler returns or its error maps to.
 
-A handler returns ``None`` (ack), a ``Decision``, or raises. ``decide`` turns an error into
-a decision with one policy (see docs/OPERATIONS.md, "Ack decisions"):
-
-=====================================  =============================================
-error                                  decision
-=====================================  =============================================
-``Retry(delay)``                        nak after ``delay`` (or the backoff entry)
-``MalformedMessage``                    dead letter ``malformed``
-``Unrecoverable`` or a configured class dead letter ``unrecoverable``
-``Rejected`` / ``Expired``              dead letter ``rejected`` / ``expired``
-anything else, a handler timeout        nak with backoff; dead letter
-                                        ``max_deliveries`` on the last attempt
-=====================================  =============================================
+A handler returns ``None`` (ack), a ``Decision``, or raises; what an error (or any other
+failure on a message's way) becomes is decided in one place, ``meshforge.consume.policy``
+(see docs/OPERATIONS.md, "Ack decisions").
 
 Example::
 
@@ -31,14 +21,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from meshforge.envelope import Envelope
-from meshforge.errors import (
-    Expired,
-    MalformedMessage,
-    Rejected,
-    Retry,
-    Unrecoverable,
-    one_line,
-)
+from meshforge.errors import one_line
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -55,8 +38,6 @@ __all__ = [
     "Delivery",
     "Handler",
     "Middleware",
-    "backoff_delay",
-    "decide",
 ]
 
 REASON_MALFORMED = "malformed"
@@ -67,12 +48,14 @@ REASON_REJECTED = "rejected"
 
 
 class Action(Enum):
-    """The four things a consumer can do with a message."""
+    """The things a consumer can do with a message."""
 
     ACK = "ack"
     NAK = "nak"
     TERM = "term"
     DEAD_LETTER = "dead_letter"
+    #: Keep it: the server waits another ack wait before it delivers it again.
+    IN_PROGRESS = "in_progress"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +86,11 @@ class Decision:
     def term(cls) -> Decision:
         """Stop delivering it, without a dead letter (the server keeps an advisory)."""
         return cls(Action.TERM)
+
+    @classmethod
+    def in_progress(cls) -> Decision:
+        """Still working on it: the server waits another ack wait before redelivering."""
+        return cls(Action.IN_PROGRESS)
 
     @classmethod
     def dead_letter(cls, reason: str, error: str | BaseException | None = None) -> Decision:
@@ -177,47 +165,3 @@ class Delivery:
 Handler = Callable[[Delivery], Awaitable[Decision | None]]
 BatchHandler = Callable[[Sequence[Delivery]], Awaitable[Sequence[Decision]]]
 Middleware = Callable[[Delivery, Handler], Awaitable[Decision | None]]
-
-
-def backoff_delay(num_delivered: int, backoff: Sequence[float]) -> float | None:
-    """The nak delay for this attempt: ``backoff[num_delivered - 1]``, the last entry after
-    the schedule runs out, None (at once) without a schedule.
-
-    >>> backoff_delay(2, (1.0, 5.0)), backoff_delay(9, (1.0, 5.0))
-    (5.0, 5.0)
-    """
-    if not backoff:
-        return None
-    return backoff[min(max(num_delivered, 1), len(backoff)) - 1]
-
-
-def decide(
-    exc: BaseException,
-    num_delivered: int,
-    *,
-    max_deliver: int | None,
-    backoff: Sequence[float],
-    unrecoverable: tuple[type[BaseException], ...] = (),
-) -> Decision:
-    """The decision for a handler error on delivery ``num_delivered``.
-
-    ``max_deliver`` None means no client-side exhaustion (the server's MaxDeliver rules).
-
-    >>> decide(ValueError("x"), 1, max_deliver=3, backoff=(1.0,)).action
-    <Action.NAK: 'nak'>
-    >>> decide(ValueError("x"), 3, max_deliver=3, backoff=(1.0,)).reason
-    'max_deliveries'
-    """
-    if isinstance(exc, MalformedMessage):
-        return Decision.dead_letter(REASON_MALFORMED, exc)
-    if isinstance(exc, Unrecoverable) or (unrecoverable and isinstance(exc, unrecoverable)):
-        return Decision.dead_letter(REASON_UNRECOVERABLE, exc)
-    if isinstance(exc, Rejected):
-        return Decision.dead_letter(REASON_REJECTED, exc)
-    if isinstance(exc, Expired):
-        return Decision.dead_letter(REASON_EXPIRED, exc)
-    if max_deliver is not None and num_delivered >= max_deliver:
-        return Decision.dead_letter(REASON_MAX_DELIVERIES, exc)
-    if isinstance(exc, Retry) and exc.delay is not None:
-        return Decision.nak(exc.delay)
-    return Decision.nak(backoff_delay(num_delivered, backoff))

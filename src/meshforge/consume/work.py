@@ -3,8 +3,8 @@
 ``Processor`` is the part of a consumer that works on messages it already holds: it
 turns each into a ``Delivery``, dead-letters what must not reach the handler (a
 malformed body, a delivery past the limit), runs the handler chain (or the batch
-handler) with ``in_progress`` heartbeats, maps errors to decisions and hands the
-decisions to the ``Acker``.
+handler) with ``in_progress`` heartbeats, and hands the decisions to the ``Acker``. What
+a refusal or an error becomes is the failure policy's (``meshforge.consume.policy``).
 
 Example (what ``Consumer`` does for each fetched message)::
 
@@ -25,15 +25,14 @@ from typing import TYPE_CHECKING, Any
 from meshforge.consume.ack import Acker
 from meshforge.consume.decisions import (
     REASON_MALFORMED,
-    REASON_MAX_DELIVERIES,
     REASON_REJECTED,
     Action,
     BatchHandler,
     Decision,
     Delivery,
     Handler,
-    decide,
 )
+from meshforge.consume.policy import Cause, FailurePolicy, Outcome
 from meshforge.envelope import H_TENANT, decode
 from meshforge.errors import MalformedMessage
 from meshforge.ops.observability import Metrics
@@ -92,7 +91,11 @@ class Processor:
         self._chain = chain
         self._batch_handler = batch_handler
         self._decode = decode
-        self._unrecoverable = unrecoverable
+        #: What a refusal, a handler error or a nak on the last delivery becomes.
+        self.policy = FailurePolicy(
+            max_deliver=limits.max_deliver, backoff=acker.backoff,
+            unrecoverable=unrecoverable, server_max=limits.server_max,
+        )  # fmt: skip
         self._batch_timeout = batch_timeout
         label = {"consumer": consumer}
         self._consumed = metrics.consumed.labels(**label)
@@ -115,27 +118,17 @@ class Processor:
                     msg.data, delivery.headers, default_ts=lambda: delivery.stored_ts
                 )
             except MalformedMessage as exc:
-                return delivery, Decision.dead_letter(REASON_MALFORMED, exc)
-        rejected = _tenant_check(delivery)
-        if rejected is not None:
-            return delivery, rejected
-        limit = self.limits.max_deliver
-        if limit is not None and delivery.num_delivered > limit:
-            return delivery, Decision.dead_letter(
-                REASON_MAX_DELIVERIES,
-                f"delivered {delivery.num_delivered} times; the limit is {limit}",
-            )
+                return delivery, self.policy.decide(Outcome(Cause.REFUSED, error=exc, reason=REASON_MALFORMED))
+        conflict = _tenant_conflict(delivery)
+        if conflict is not None:
+            return delivery, self.policy.decide(Outcome(Cause.REFUSED, error=conflict, reason=REASON_REJECTED))
+        if self.policy.past_limit(delivery.num_delivered):
+            return delivery, self.policy.decide(Outcome(Cause.EXHAUSTED, delivery.num_delivered))
         return delivery, None
 
     def decide(self, exc: BaseException, delivery: Delivery) -> Decision:
-        """The decision for a handler error (see ``meshforge.consume.decisions.decide``)."""
-        return decide(
-            exc,
-            delivery.num_delivered,
-            max_deliver=self.limits.max_deliver,
-            backoff=self.acker.backoff,
-            unrecoverable=self._unrecoverable,
-        )
+        """The decision for a handler error (see ``meshforge.consume.policy``)."""
+        return self.policy.decide(Outcome(Cause.HANDLER, delivery.num_delivered, exc))
 
     async def handle_one(self, msg: Msg) -> None:
         """Admit, run the handler chain with heartbeats, apply the decision."""
@@ -148,14 +141,8 @@ class Processor:
                     decision = await self._chain(delivery) or Decision.ack()
                 except Exception as exc:
                     decision = self.decide(exc, delivery)
-            if decision.action is Action.NAK and self._last_delivery(delivery):
-                decision = Decision.dead_letter(REASON_MAX_DELIVERIES, "nak on the last delivery")
+            decision = self.policy.review(decision, delivery.num_delivered)
         await self.acker.apply(delivery, decision)
-
-    def _last_delivery(self, delivery: Delivery) -> bool:
-        # The server would never act on this nak (its MaxDeliver is reached): it would strand.
-        server_max = self.limits.server_max
-        return self.limits.max_deliver is not None and 0 < server_max <= delivery.num_delivered
 
     async def handle_batch(self, msgs: list[Msg]) -> None:
         """Admit each, run the batch handler once for the admitted ones, apply every decision."""
@@ -199,12 +186,14 @@ class Processor:
                 log.warning("batch handler failed: %s", exc, extra={"consumer": self.consumer})
                 decisions = [self.decide(exc, d) for d in ready]
         self._batch_seconds.observe(time.perf_counter() - start)
-        return [(d, dec or Decision.ack()) for d, dec in zip(ready, decisions, strict=True)]
+        review = self.policy.review
+        return [(d, review(dec or Decision.ack(), d.num_delivered)) for d, dec in zip(ready, decisions, strict=True)]
 
 
-def _tenant_check(delivery: Delivery) -> Decision | None:
-    """Dead letter ``rejected`` when a command's header or body claims another tenant than
-    its subject; otherwise the envelope takes the subject's tenant (what its outputs carry)."""
+def _tenant_conflict(delivery: Delivery) -> str | None:
+    """Why a command's header or body claims another tenant than its subject (refused
+    ``rejected``); otherwise None, and the envelope takes the subject's tenant (what its
+    outputs carry)."""
     if not delivery.subject.startswith("cmd."):
         return None
     scope = Scope.of_subject(delivery.subject)
@@ -216,7 +205,7 @@ def _tenant_check(delivery: Delivery) -> Decision | None:
     agreed = (None, "", scope.tenant)  # what tenant_conflict lets pass
     conflict = None if header in agreed and body in agreed else tenant_conflict(scope, header=header, body=body)
     if conflict is not None:
-        return Decision.dead_letter(REASON_REJECTED, conflict)
+        return conflict
     if env is not None:
         env.tenant_id = scope.tenant
     return None

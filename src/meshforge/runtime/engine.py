@@ -16,7 +16,9 @@ a redelivery that finds the key and re-publishes, so no effect is lost or double
 A transaction that fails for a reason of its own (not a retriable store error) is split
 in halves and run again, so one bad command costs only itself: a value the store can
 never hold (NUL in PostgreSQL text, a number out of range) is dead-lettered
-``unrecoverable``, anything else is retried on its own.
+``unrecoverable``, anything else is retried on its own. What every failure becomes (a
+handler's error, the store's, a publish's, a hold, the delivery limit) is the failure
+policy's (``meshforge.consume.policy``): the engine asks it and carries out the answer.
 
 Example::
 
@@ -38,14 +40,13 @@ from typing import Any, Generic, TypeVar
 
 from meshforge.config import Settings
 from meshforge.consume.decisions import (
-    REASON_MAX_DELIVERIES,
+    REASON_MALFORMED,
     REASON_UNRECOVERABLE,
     Action,
     Decision,
     Delivery,
-    backoff_delay,
-    decide,
 )
+from meshforge.consume.policy import Cause, FailurePolicy, Outcome
 from meshforge.envelope import H_MSG_ID, Envelope, decode, derive_id
 from meshforge.errors import (
     HandlerTimeout,
@@ -61,7 +62,7 @@ from meshforge.publish.publisher import Publisher
 from meshforge.runtime.agent import Agent, CommandSpec, Event, Output
 from meshforge.runtime.effects import Conflict, EffectStore, Opened, Plan, Work, drive
 from meshforge.runtime.holds import Holds, Slot
-from meshforge.runtime.killswitch import KillSwitch, is_outage
+from meshforge.runtime.killswitch import KillSwitch
 from meshforge.runtime.marks import PublishedMarks
 from meshforge.runtime.outputs import build_outputs, decode_payload, event_name
 from meshforge.runtime.stage import PublishStage
@@ -70,7 +71,7 @@ from meshforge.topology.partitions import partitioned
 from meshforge.topology.scope import Scope, command_scope
 from meshforge.transport.sizes import SizeLimits, check_fits
 
-__all__ = ["Engine", "consumer_name"]
+__all__ = ["Engine", "consumer_name", "failure_policy"]
 
 log = logging.getLogger("meshforge.engine")
 S = TypeVar("S")
@@ -82,7 +83,6 @@ _UNRECOVERABLE: tuple[type[BaseException], ...] = (
 )  # fmt: skip
 # A batch whose effect key another worker committed meanwhile is simply run again.
 _BATCH_ATTEMPTS = 4
-_STORE_RETRY_DELAY = 0.5
 _MARK_IDLE = 1.0  # seconds without a commit before published marks get their own
 _GROUP_BATCHES = 4  # fetches one transaction may take under a backlog
 # A group this small runs its transaction on the event loop when the store allows
@@ -97,6 +97,15 @@ _INLINE_LAG = 0.003
 def consumer_name(agent: str) -> str:
     """The durable consumer of an agent, which also names its effects in the store."""
     return f"{agent}_consumer"
+
+
+def failure_policy(agent: Agent[Any], max_deliver: int, backoff: tuple[float, ...]) -> FailurePolicy:
+    """An agent's failure policy: the engine's unrecoverable errors and the agent's own,
+    and a stop behind each dead letter if the agent asks for it."""
+    return FailurePolicy(
+        max_deliver=max_deliver, backoff=backoff, unrecoverable=_UNRECOVERABLE + agent.unrecoverable,
+        stop_after_dead_letter=agent.hold_after_dead_letter,
+    )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -130,6 +139,8 @@ class Engine(Generic[S]):
         self.settings = settings or Settings()
         self.metrics = metrics or Metrics.default()
         self.consumer = consumer_name(agent.name)
+        #: What each failure becomes (the engine only carries its decisions out).
+        self.policy = failure_policy(agent, self.settings.max_deliver, self.settings.backoff)
         #: The outstanding commands of each resource (shared by the engines of a worker).
         self.holds = holds or Holds(self.consumer)
         self._holds_loaded = False
@@ -229,8 +240,7 @@ class Engine(Generic[S]):
             for index, work in enumerate(works):
                 work.index = index
             plan = await self._attempt(works) if works else Plan()
-            if self.agent.hold_after_dead_letter:
-                await self._stop_behind(works, plan)
+            decided = await self._stop_behind([(works[i], d) for i, d in plan.decisions.items()])
         except BaseException as exc:
             for batch in group:
                 if not batch.done.done():
@@ -239,9 +249,7 @@ class Engine(Generic[S]):
             raise
         if overlapping:
             crash_point("after_commit_while_publishing")
-        for index, decision in plan.decisions.items():
-            works[index].decide(decision)
-            self._settle(works[index], decision)
+        self._conclude(decided)
         for work in plan.done:
             self.holds.finish(work)
             self.holds.applied((work.scope, work.resource), work.env.key)
@@ -255,7 +263,7 @@ class Engine(Generic[S]):
 
         def failed() -> None:
             for work in done:
-                work.decide(Decision.nak(self._delay(work)))
+                work.decide(self.policy.decide(Outcome(Cause.PUBLISH, self._attempts(work))))
 
         self._stage.submit(items, on_sent=sent, on_failed=failed, settle=[b.done for b in group])
 
@@ -274,8 +282,16 @@ class Engine(Generic[S]):
                 self._holds_loaded = True
             except StoreError as exc:  # an outage: the group's own transaction meets it too
                 log.debug("%s: held-delivery counts not read: %s", self.consumer, one_line(exc))
-        if near:
-            works = [w for w in works if not self._exhausted(w)]
+        exhausted = [w for w in near if self.policy.past_limit(self._attempts(w))]
+        if exhausted:
+            # The delivery after the last attempt never runs (a worker killed by this
+            # command on every attempt still ends in a dead letter): it ends here, the
+            # way a dead letter decided in the transaction does (a stop behind it first).
+            self._conclude(await self._stop_behind(
+                [(w, self.policy.decide(Outcome(Cause.EXHAUSTED, self._attempts(w)))) for w in exhausted]
+            ))  # fmt: skip
+            ended = {id(w) for w in exhausted}
+            works = [w for w in works if id(w) not in ended]
         if self.holds.quiet(works):
             return works
         await self.holds.recheck(works)
@@ -286,50 +302,42 @@ class Engine(Generic[S]):
             except StoreError as exc:
                 log.warning("%s: could not count %d held command(s): %s", self.consumer, len(held), one_line(exc))
             for work, delay in held:
-                work.decide(Decision.nak(delay))
+                work.decide(self.policy.decide(Outcome(Cause.HELD, delay=delay)))
                 self.holds.away((work.scope, work.resource), work.delivery.seq, delay)
             self.metrics.held_back.labels(consumer=self.consumer).inc(len(held))
             log.debug("%s: %d command(s) held behind earlier ones of their resources", self.consumer, len(held))
         return run
 
-    def _exhausted(self, work: Work) -> bool:
-        """The delivery after the last attempt never runs (a worker killed by this command on
-        every attempt still ends in a dead letter): decide it here."""
-        attempts = self._attempts(work)
-        if attempts <= self.settings.max_deliver:
-            return False
-        work.decide(Decision.dead_letter(
-            REASON_MAX_DELIVERIES, f"attempted {attempts} times; the limit is {self.settings.max_deliver}"
-        ))  # fmt: skip
-        self.holds.finish(work)
-        return True
-
-    async def _stop_behind(self, works: list[Work], plan: Plan) -> None:
-        """``hold_after_dead_letter``: a dead-lettered command's resource stays held (the
-        hold is stored before its dead letter goes out)."""
-        heads = [works[i] for i, d in plan.decisions.items() if d.action is Action.DEAD_LETTER]
+    async def _stop_behind(self, decided: list[tuple[Work, Decision]]) -> list[tuple[Work, Decision]]:
+        """The decisions for works not applied, with the stops the policy asks for stored
+        first: a dead letter of an agent with ``hold_after_dead_letter`` keeps its resource
+        held (its stop stored before the dead letter goes out; a stop that cannot be stored
+        is no dead letter yet: it comes back, still the head)."""
+        heads = [w for w, d in decided if self.policy.stops(d)]
         if not heads:
-            return
+            return decided
         try:
             await self._in_thread(self.store.run, lambda tx: self.holds.stop(tx, heads))
-        except StoreError as exc:  # not dead-lettered then: it comes back, still the head
+        except StoreError as exc:
             log.warning("%s: could not store the hold behind %d dead letter(s): %s",
                         self.consumer, len(heads), one_line(exc))  # fmt: skip
-            for work in heads:
-                plan.decisions[work.index] = Decision.nak(_STORE_RETRY_DELAY)
-        else:
-            log.warning(
-                "%s: %d resource(s) stay held behind a dead-lettered command until it is"
-                " re-driven or `meshforge holds release`", self.consumer, len(heads),
-            )
+            retry = self.policy.decide(Outcome(Cause.STOP_FAILED, error=exc))
+            return [(w, retry if self.policy.stops(d) else d) for w, d in decided]
+        log.warning(
+            "%s: %d resource(s) stay held behind a dead-lettered command until it is"
+            " re-driven or `meshforge holds release`", self.consumer, len(heads),
+        )
+        return decided
 
-    def _settle(self, work: Work, decision: Decision) -> None:
-        """Tell the holds what became of a work that was not applied."""
-        if decision.action is Action.NAK:
-            delay = decision.delay if decision.delay is not None else self._delay(work)
-            self.holds.away((work.scope, work.resource), work.delivery.seq, delay or 0.0)
-        else:
-            self.holds.finish(work)
+    def _conclude(self, decided: list[tuple[Work, Decision]]) -> None:
+        """Give works not applied their decisions, and tell the holds what became of them."""
+        for work, decision in decided:
+            work.decide(decision)
+            if decision.action is Action.NAK:
+                delay = decision.delay if decision.delay is not None else self._delay(work)
+                self.holds.away((work.scope, work.resource), work.delivery.seq, delay or 0.0)
+            else:
+                self.holds.finish(work)
 
     def _to_partition(self, delivery: Delivery, env: Envelope) -> StoredOutput | None:
         """A five-token command to a partitioned agent goes on to its partition's subject,
@@ -348,20 +356,22 @@ class Engine(Generic[S]):
         except PublishError as exc:
             log.warning("%s: forwarding %d command(s) to their partitions failed: %s",
                         self.consumer, len(forwards), one_line(exc))  # fmt: skip
-            return Decision.nak(_STORE_RETRY_DELAY)
+            return self.policy.decide(Outcome(Cause.FORWARD, error=exc))
         return Decision.ack()
 
     def _admit(self, index: int, delivery: Delivery) -> Work | Decision | StoredOutput:
         env = delivery.envelope
         if env is None:
-            return Decision.dead_letter("malformed", "no envelope could be decoded")
+            return self.policy.decide(
+                Outcome(Cause.REFUSED, error="no envelope could be decoded", reason=REASON_MALFORMED)
+            )
         spec = self._spec_of(env, delivery.subject)
         if spec is None:
-            return Decision.dead_letter(
-                "unrecoverable",
-                f"unknown command {env.type!r} for agent {self.agent.name!r}"
+            return self.policy.decide(Outcome(
+                Cause.REFUSED, reason=REASON_UNRECOVERABLE,
+                error=f"unknown command {env.type!r} for agent {self.agent.name!r}"
                 f" (known: {', '.join(sorted(self._commands)) or 'none'})",
-            )
+            ))  # fmt: skip
         forward = self._to_partition(delivery, env)
         if forward is not None:
             return forward
@@ -416,7 +426,8 @@ class Engine(Generic[S]):
             except Conflict:
                 log.info("%s: another worker stored an effect of this batch; running it again", self.consumer)
             except StoreError as exc:
-                if is_outage(exc):  # not these commands' fault: never count it against them
+                decision = self.policy.decide(Outcome(Cause.STORE, error=exc))
+                if decision.action is Action.IN_PROGRESS:  # an outage: never count it against them
                     self._reset(works)
                     self.kill_switch.open("store", exc)
                     probes += 1
@@ -426,13 +437,13 @@ class Engine(Generic[S]):
                     raise
                 if attempt == _BATCH_ATTEMPTS - 1:
                     log.warning("%s: store failed, batch will be redelivered: %s", self.consumer, exc)
-                    return self._nak_all(works)
+                    return self._all(works, decision)
             else:
                 self.kill_switch.close("store")
                 return plan
             attempt += 1
             self._reset(works)
-        return self._nak_all(works)
+        return self._all(works, self.policy.decide(Outcome(Cause.STORE, error="conflicts with other workers")))
 
     async def _split(self, works: list[Work], exc: StoreError) -> Plan:
         """Bisect a batch whose transaction failed: the innocent halves commit, the culprit
@@ -450,7 +461,7 @@ class Engine(Generic[S]):
         rest: list[Work] = []
         for work in works[mid:]:
             if (work.scope, work.resource) in held:
-                plan.decisions[work.index] = Decision.nak(held[(work.scope, work.resource)])
+                plan.decisions[work.index] = self.policy.decide(Outcome(Cause.HELD, delay=held[(work.scope, work.resource)]))
             else:
                 rest.append(work)
         if rest:
@@ -461,19 +472,16 @@ class Engine(Generic[S]):
         return plan
 
     def _store_failure(self, work: Work, exc: StoreError) -> Decision:
-        if exc.kind == "invalid":
-            # Deterministic for this message: every retry would fail the same way.
-            return Decision.dead_letter(REASON_UNRECOVERABLE, exc)
-        return self._failure(work.delivery, exc, self._attempts(work))
+        return self._failure(work.delivery, exc, self._attempts(work), Cause.STORE)
 
     @staticmethod
     def _reset(works: list[Work]) -> None:
         for work in works:
             work.outputs, work.events, work.fresh = [], [], False
 
-    def _nak_all(self, works: list[Work]) -> Plan:
-        # Not the handler's fault: come back soon, without burning the backoff schedule.
-        return Plan(decisions={w.index: Decision.nak(_STORE_RETRY_DELAY) for w in works})
+    @staticmethod
+    def _all(works: list[Work], decision: Decision) -> Plan:
+        return Plan(decisions={w.index: decision for w in works})
 
     async def _run(self, works: list[Work]) -> Plan:
         """One transaction. Plain-function handlers need no event loop: the whole of it runs
@@ -590,7 +598,7 @@ class Engine(Generic[S]):
             d = work.delivery
             slot = (work.scope, work.resource)
             if slot in blocked:
-                plan.decisions[work.index] = Decision.nak(blocked[slot])
+                plan.decisions[work.index] = self.policy.decide(Outcome(Cause.HELD, delay=blocked[slot]))
                 continue
             previous = stored.get((work.scope, work.env.key))
             if previous is not None:
@@ -691,18 +699,14 @@ class Engine(Generic[S]):
         return self.holds.attempts(work.scope, work.env.key, work.delivery.num_delivered)
 
     def _delay(self, work: Work) -> float | None:
-        return backoff_delay(self._attempts(work), self.settings.backoff)
+        return self.policy.delay(self._attempts(work))
 
-    def _failure(self, delivery: Delivery, exc: BaseException, attempts: int) -> Decision:
-        """The decision for a command whose handler (or key) failed with ``exc`` on its
-        ``attempts``-th attempt (held deliveries are not attempts)."""
-        decision = decide(
-            exc,
-            attempts,
-            max_deliver=self.settings.max_deliver,
-            backoff=self.settings.backoff,
-            unrecoverable=_UNRECOVERABLE + self.agent.unrecoverable,
-        )
+    def _failure(
+        self, delivery: Delivery, exc: BaseException, attempts: int, cause: Cause = Cause.HANDLER
+    ) -> Decision:
+        """The decision for a command whose handler (or key, or transaction) failed with
+        ``exc`` on its ``attempts``-th attempt (held deliveries are not attempts)."""
+        decision = self.policy.decide(Outcome(cause, attempts, exc))
         if decision.action is not Action.DEAD_LETTER or decision.reason == "max_deliveries":
             log.warning("%s: transient failure of %s (attempt %d): %s", self.consumer,
                         delivery.subject, attempts, one_line(exc))  # fmt: skip

@@ -33,24 +33,21 @@ import logging
 import time
 from collections.abc import Callable
 
-from meshforge.errors import StoreError, one_line
+from meshforge.consume.policy import STORE_OUTAGES, is_outage
+from meshforge.errors import one_line
 from meshforge.ops.observability import Metrics
 
 __all__ = ["OUTAGE_KINDS", "PROBE_DELAYS", "REMIND_EVERY", "KillSwitch", "is_outage"]
 
 log = logging.getLogger("meshforge.killswitch")
 
-#: ``StoreError.kind`` values that are about the store, never about the message.
-OUTAGE_KINDS = frozenset({"unavailable"})
+#: ``StoreError.kind`` values that are about the store, never about the message (the
+#: failure policy's, ``meshforge.consume.policy``).
+OUTAGE_KINDS = STORE_OUTAGES
 #: Seconds between probes: the n-th failed probe waits the n-th entry (then the last).
 PROBE_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)
 #: At most one reminder line this often (seconds) while the switch stays open.
 REMIND_EVERY = 60.0
-
-
-def is_outage(exc: BaseException) -> bool:
-    """Whether ``exc`` says the store is out (every message would fail alike)."""
-    return isinstance(exc, StoreError) and exc.kind in OUTAGE_KINDS
 
 
 class KillSwitch:

@@ -20,6 +20,8 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
+from meshforge.consume.decisions import Action
+from meshforge.consume.policy import Cause, FailurePolicy, Outcome
 from meshforge.errors import PublishError
 from meshforge.ops.faults import crash_point
 from meshforge.publish.publisher import Message, Publisher
@@ -30,8 +32,8 @@ __all__ = ["PublishStage"]
 log = logging.getLogger("meshforge.engine")
 
 _SPLIT_AT = 8  # outputs in a group from which it is published in two halves
-# PublishError kinds that are the server's state (away, slow, its storage failing), not the message's.
-_SERVER_OUTAGES = frozenset({"connection", "timeout", "unavailable", "store_failed"})
+# Whether a failed publish waits for the server (its rules need no consumer's settings).
+_POLICY = FailurePolicy()
 
 
 class PublishStage:
@@ -115,7 +117,8 @@ each checked against the publisher's size limits before it was stored."""
                 if items[half:]:
                     await self.publisher.publish_many(items[half:], checked=True)
             except PublishError as exc:
-                if self.kill_switch is None or exc.kind not in _SERVER_OUTAGES:
+                wait = _POLICY.decide(Outcome(Cause.PUBLISH, error=exc)).action is Action.IN_PROGRESS
+                if self.kill_switch is None or not wait:
                     log.warning("%s: publishing outputs failed, batch will be redelivered: %s", self.consumer, exc)
                     return False
                 # Every output would fail alike: hold them (sent again, deduplicated, later).

@@ -2,7 +2,7 @@
 
 Each ``send`` goes through the engine's own steps: the resource key (``Agent.resource_key``),
 the handler (``Agent.handle``), the outputs and the new state (``build_outputs``), and the
-failure decision (``decide``, with the engine's list of unrecoverable errors). A repeated
+failure decision (the engine's failure policy, ``failure_policy``). A repeated
 idempotency key gets the stored outputs again without running the handler; a transient
 failure is tried again up to ``max_deliver`` times, then dead-lettered, as a worker would.
 
@@ -22,11 +22,12 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from meshforge.consume.decisions import REASON_MAX_DELIVERIES, REASON_UNRECOVERABLE, Action, decide
+from meshforge.consume.decisions import REASON_MAX_DELIVERIES, REASON_UNRECOVERABLE, Action
+from meshforge.consume.policy import Cause, Outcome
 from meshforge.envelope import Envelope, decode
 from meshforge.errors import one_line
 from meshforge.runtime.agent import Agent
-from meshforge.runtime.engine import _UNRECOVERABLE
+from meshforge.runtime.engine import failure_policy
 from meshforge.runtime.outputs import build_outputs
 from meshforge.store.base import StoredOutput
 from meshforge.topology.subjects import command_subject
@@ -152,10 +153,8 @@ class AgentHarness(Generic[S]):
                     agent, env, resource, subject, outputs, state
                 )
             except Exception as exc:
-                decision = decide(
-                    exc, attempt, max_deliver=self.max_deliver, backoff=(),
-                    unrecoverable=_UNRECOVERABLE + agent.unrecoverable,
-                )  # fmt: skip
+                policy = failure_policy(agent, self.max_deliver, ())
+                decision = policy.decide(Outcome(Cause.HANDLER, attempt, exc))
                 if decision.action is Action.NAK:
                     continue  # a worker would deliver it again after the backoff
                 sent = Sent(env, subject, self._resource_quietly(env, command), deliveries=attempt)
