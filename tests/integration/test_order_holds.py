@@ -354,3 +354,58 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHFORGE_")}
     return subprocess.run([sys.executable, "-m", "meshforge", *args], capture_output=True,
                           text=True, env=env, timeout=60, check=False)  # fmt: skip
+
+
+async def _backlog_then_run(conn: Any, agent: Agent[Seq], settings: Any, sends: list[dict[str, Any]]) -> None:
+    """Create the durable, then store ``sends`` before any worker runs: one fetch, one group."""
+    async with running([agent], settings):
+        pass
+    for s in sends:
+        await _send(conn, agent, **s)
+
+
+async def test_a_command_held_behind_a_failure_in_its_own_group_keeps_its_attempts(
+    nats_url: str, sqlite_url: str
+) -> None:
+    """n=1 fails twice; n=2, in the same fetch each time, waits behind it. Those waits are
+    not attempts: when n=2 then fails once itself, it has its second attempt, not a dead
+    letter as 'attempted 3 times'."""
+    agent = seq_agent()
+    settings = settings_for(nats_url, sqlite_url, backoff=(0.3, 0.3, 0.3), max_deliver=3)
+    conn = await open_conn(settings)
+    store = await open_store_async(sqlite_url)
+    try:
+        await _backlog_then_run(conn, agent, settings, [
+            {"r": "a", "n": 1, "fail": 2}, {"r": "a", "n": 2, "fail": 1},
+        ])  # fmt: skip
+        async with running([agent], settings, store=store):
+            await wait_until(lambda: consumer_idle(conn, agent.name), within=30)
+            assert not await dead_letters_of(conn, agent.name)
+            assert _applied(store, agent, "a") == [1, 2]
+    finally:
+        store.close()
+        await conn.close()
+
+
+async def test_a_stop_holds_later_commands_of_the_same_group(nats_url: str, sqlite_url: str) -> None:
+    """``hold_after_dead_letter``: n=1 is dead-lettered inside the transaction that also
+    holds n=2 and n=3 of its resource; they stay held behind it, as they would in a later
+    fetch."""
+    agent = seq_agent(stay_held=True)
+    settings = settings_for(nats_url, sqlite_url, backoff=(0.3, 0.3, 0.3), max_deliver=3)
+    conn = await open_conn(settings)
+    store = await open_store_async(sqlite_url)
+    try:
+        await _backlog_then_run(conn, agent, settings, [
+            {"r": "a", "n": 1, "bad": True}, {"r": "a", "n": 2}, {"r": "a", "n": 3}, {"r": "b", "n": 1},
+        ])  # fmt: skip
+        async with running([agent], settings, store=store):
+            await polling.wait_until(lambda: _has_letters(conn, agent, 1), timeout=15, what="the dead letter")
+            await polling.wait_until(lambda: _applied_async(store, agent, "b", [1]), timeout=15, what="b applied")
+            with store.transaction() as tx:
+                views = list_holds(tx, f"{agent.name}_consumer")
+            assert [(v.resource, v.stopped_by is not None) for v in views] == [("a", True)]
+            assert _applied(store, agent, "a") == []
+    finally:
+        store.close()
+        await conn.close()

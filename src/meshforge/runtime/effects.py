@@ -79,6 +79,8 @@ class Plan:
     decisions: dict[int, Decision] = field(default_factory=dict)
     done: list[Work] = field(default_factory=list)
     duplicates: int = 0
+    #: Works held behind an earlier command of their resource that failed in this batch.
+    held: list[Work] = field(default_factory=list)
     states: dict[tuple[Scope, str], Any] = field(default_factory=dict)
 
 
@@ -152,6 +154,8 @@ class EffectStore:
                 if w.events:
                     by_scope.setdefault(w.scope, []).extend(w.events)
         self.holds.clear_forgotten(tx)
+        if plan.held:
+            self.holds.count(tx, plan.held)
         try:
             store_effects(tx, self.consumer, effects, marks)
         except StoreError as exc:

@@ -61,7 +61,7 @@ from meshforge.ops.observability import Metrics
 from meshforge.publish.publisher import Publisher
 from meshforge.runtime.agent import Agent, CommandSpec, Event, Output
 from meshforge.runtime.effects import Conflict, EffectStore, Opened, Plan, Work, drive
-from meshforge.runtime.holds import Holds, Slot
+from meshforge.runtime.holds import STOPPED_POLL, Holds, Slot
 from meshforge.runtime.killswitch import KillSwitch
 from meshforge.runtime.marks import PublishedMarks
 from meshforge.runtime.outputs import build_outputs, decode_payload, event_name
@@ -599,6 +599,7 @@ class Engine(Generic[S]):
             slot = (work.scope, work.resource)
             if slot in blocked:
                 plan.decisions[work.index] = self.policy.decide(Outcome(Cause.HELD, delay=blocked[slot]))
+                plan.held.append(work)  # counted with this transaction: a wait, not an attempt
                 continue
             previous = stored.get((work.scope, work.env.key))
             if previous is not None:
@@ -637,6 +638,8 @@ class Engine(Generic[S]):
                 plan.decisions[work.index] = decision
                 if decision.action is Action.NAK:
                     blocked[slot] = decision.delay
+                elif self.policy.stops(decision):  # its stop is stored before its dead letter
+                    blocked[slot] = STOPPED_POLL
                 continue
             states[slot] = new_state
             work.fresh = True
