@@ -26,7 +26,8 @@ from meshforge.publish.publisher import Publisher
 from meshforge.runtime.engine import Engine
 from meshforge.runtime.worker import _Partitions
 from meshforge.store import Store, open_store
-from meshforge.topology.partitions import pinned_client, unpin
+from meshforge.topology.ownership import Ownership
+from meshforge.topology.partitions import ensure_bucket, pinned_client, unpin
 from meshforge.topology.provision import ensure
 from meshforge.topology.specs import OWNER_GROUP, ConsumerSpec, agent_consumer, partition_consumers
 from meshforge.topology.subjects import STREAM_COMMANDS
@@ -40,14 +41,19 @@ async def raw_config(nc: NATS, durable: str) -> dict[str, Any]:
     return config
 
 
-def owner(
+async def owner(
     conn: Connection, specs: dict[str, ConsumerSpec], s: Settings, tmp_path: Path
-) -> tuple[Store, Engine[Any], _Partitions]:
-    """A worker's partitions of the SequenceAgent over one engine, on a store of its own."""
+) -> tuple[Store, Engine[Any], _Partitions, Ownership]:
+    """A worker's partitions of the SequenceAgent over one engine, on a store of its own,
+    and its ownership of them (no lease rounds: the test takes slots itself)."""
     store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
     publisher = Publisher(conn.js, s)
     engine = Engine(SequenceAgent(), store, publisher, settings=s, metrics=Metrics())
-    return store, engine, _Partitions(conn, specs, [engine], publisher, s, Metrics())
+    part = _Partitions(conn, specs, [engine], publisher, s, Metrics())
+    kv = await ensure_bucket(conn.js, s)
+    ownership = Ownership(conn.js, kv, specs, run=part.start, stop=part.stop, period=s.partition_lease / 3,
+                          read_held=part.read_held, last_error=lambda: conn.last_error)  # fmt: skip
+    return store, engine, part, ownership
 
 
 async def release(part: _Partitions, engine: Engine[Any], store: Store) -> None:
@@ -100,7 +106,6 @@ async def test_a_pull_with_a_revoked_pin_is_refused_and_the_consumer_stops(
     await provision_all(js, s, spec)
     subject = f"cmd.default.test.{agent}.step.0"
     handled: list[int] = []
-    fenced = asyncio.Event()
 
     async def handle(delivery: Delivery) -> Decision | None:
         handled.append(delivery.envelope.payload["seq"])
@@ -108,7 +113,7 @@ async def test_a_pull_with_a_revoked_pin_is_refused_and_the_consumer_stops(
 
     caplog.set_level(logging.INFO, "meshforge")
     async with connection(nats_url) as conn:
-        consumer = Consumer(conn, spec, handler=handle, settings=s, provision=False, on_fenced=fenced.set)
+        consumer = Consumer(conn, spec, handler=handle, settings=s, provision=False)
         async with running(consumer) as task:
             await publish(js, subject, 0)
             await wait_until(lambda: handled == [0] and consumer.pinned, timeout=10, what="first command, pinned")
@@ -126,8 +131,8 @@ async def test_a_pull_with_a_revoked_pin_is_refused_and_the_consumer_stops(
                 assert successor.pin is not None and successor.pin != pin
                 for msg in got.messages:
                     await msg.ack()
-                await asyncio.wait_for(fenced.wait(), 10)
                 await asyncio.wait_for(task, 10)  # the consumer stopped by itself
+                assert consumer.owner is not None and consumer.owner.fenced
                 assert consumer.fenced and handled == [0]
                 # The old pin is refused for good, even with nothing left to deliver.
                 stale = PullSource(conn.nc, spec.stream, spec.durable, group=OWNER_GROUP)
@@ -160,9 +165,9 @@ async def test_claiming_a_partition_unpins_the_previous_owner_before_the_first_p
         for msg in got.messages:
             await msg.ack()
 
-        store, engine, part = owner(conn, specs, s, tmp_path)
+        store, engine, part, ownership = await owner(conn, specs, s, tmp_path)
         try:
-            part.start("p0", True)  # handed back cleanly: no redelivery wait, only the unpin
+            ownership.take("p0", clean=True)  # handed back cleanly: no redelivery wait, only the unpin
             consumer = part.consumers["p0"]
             await wait_until(lambda: consumer.ready.is_set(), timeout=10, what="the new owner pulling")
             # The previous owner pulls again with its pin, as the next command is stored:
@@ -199,9 +204,9 @@ async def test_a_partition_durable_without_the_group_is_a_clear_error_at_claim(
     specs = partition_consumers("seq", s, tenant=tenant, namespace="t")
     await provision_all(js, s, *(replace(spec, priority_group="", pinned_ttl=0) for spec in specs.values()))
     async with connection(nats_url) as conn:
-        store, engine, part = owner(conn, specs, s, tmp_path)
+        store, engine, part, ownership = await owner(conn, specs, s, tmp_path)
         try:
-            part.start("p0", True)
+            ownership.take("p0", clean=True)
             await wait_until(part.failed.done, timeout=10, what="the claim failing")
             error = part.failed.exception()
             assert error is not None and "meshforge provision --partitions N" in str(error), error
@@ -225,9 +230,9 @@ async def test_an_idle_owner_unpins_a_client_that_got_the_pin_after_its_claim(
         rogue = PullSource(conn.nc, STREAM_COMMANDS, specs["p0"].durable, group=OWNER_GROUP)
         await rogue.start()
         early = asyncio.create_task(rogue.fetch(1))  # first in the server's queue, no pin
-        store, engine, part = owner(conn, specs, s, tmp_path)
+        store, engine, part, ownership = await owner(conn, specs, s, tmp_path)
         try:
-            part.start("p0", True)
+            ownership.take("p0", clean=True)
             consumer = part.consumers["p0"]
             await wait_until(lambda: consumer.ready.is_set(), timeout=10, what="the owner pulling")
             await publish(js, subject, 0)
