@@ -57,13 +57,13 @@ from meshforge.consume.push import ensure_push_consumer
 from meshforge.consume.work import Limits, Processor, Workers
 from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology, TopologyError, one_line
 from meshforge.ops.observability import Metrics
-from meshforge.topology.ownership import Tenure
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
 
     from meshforge.publish.publisher import Publisher
+    from meshforge.topology.ownership import Tenure
     from meshforge.topology.specs import ConsumerSpec
     from meshforge.transport.connection import Connection
 
@@ -190,6 +190,8 @@ class Consumer:
         # A durable with a priority group (a partition's): pulls carry the group and pin,
         # and who owns it is asked of its tenure (the worker's, else one of its own).
         if owner is None and self.spec is not None and self.spec.priority_group:
+            from meshforge.topology.ownership import Tenure
+
             owner = Tenure(self.spec)
         self.owner = owner
         self.priority_group = owner.group if owner is not None else None
