@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from nats.errors import MsgAlreadyAckdError
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from nats.aio.subscription import Subscription
 
     from meshforge.publish.publisher import Publisher
+    from meshforge.topology.ownership import Tenure
     from meshforge.topology.specs import ConsumerSpec
     from meshforge.transport.connection import Connection
 
@@ -128,8 +129,7 @@ class Consumer:
         provision: bool | None = None,
         ack_sync: bool = False,
         max_held: int | None = None,
-        on_fenced: Callable[[], None] | None = None,
-        on_unpinned_idle: Callable[[], Awaitable[None]] | None = None,
+        owner: Tenure | None = None,
         pause: Pause | None = None,
     ) -> None:
         if (handler is None) == (batch_handler is None):
@@ -187,17 +187,20 @@ class Consumer:
         self._source: PullSource | None = None
         self._push_sub: Subscription | None = None
         self._signal_tasks: set[asyncio.Future[None]] = set()
-        # A durable with a priority group (a partition's): pulls carry the group and pin.
-        self.priority_group = (self.spec.priority_group or None) if self.spec is not None else None
-        self._on_fenced = on_fenced
-        self._on_unpinned_idle = on_unpinned_idle
+        # A durable with a priority group (a partition's): pulls carry the group and pin,
+        # and who owns it is asked of its tenure (the worker's, else one of its own).
+        if owner is None and self.spec is not None and self.spec.priority_group:
+            from meshforge.topology.ownership import Tenure
+
+            owner = Tenure(self.spec)
+        self.owner = owner
+        self.priority_group = owner.group if owner is not None else None
         #: While it says paused (an outage: the worker's kill switch) nothing is fetched.
         self.pause = pause
         self._acker: Acker | None = None
         self.fenced = False
-        #: Set before ``run`` by a worker taking a partition over: how many commands the
-        #: previous owner held (see ``_take_back``).
-        self.held_before = 0
+        if owner is not None:
+            owner.attach(self.fence)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -383,42 +386,16 @@ class Consumer:
             recover=self._recover,
             pending=self._pending,
             closed=lambda: self._conn.nc.is_closed,
-            fenced=self._pin_revoked if self.priority_group else None,
-            unpinned_idle=self._on_unpinned_idle if self.priority_group else None,
+            owner=self.owner,
             gather=_GATHER if batch else 0.0,
             pause=self.pause,
         )
         self.ready.set()
         log.info("consumer %s/%s pulling", self.stream, self.durable)
         try:
-            if self.held_before:
-                await self._take_back(source, dispatch, self.held_before)
             await loop.run()
         except ConnectionError as exc:
             raise ConnectionFailed(f"consumer {self.durable}: {exc}") from None
-
-    async def _take_back(self, source: PullSource, dispatch: Callable[[list[Msg]], None], held: int) -> None:
-        """The first pulls after a take-over: what the previous owner held comes back in
-        the order its ack waits ran out, which its ``in_progress`` beats can have made
-        differ from the order it was stored. Take it all back (up to ``max_held``) before
-        handing any over, and hand it over as one batch in stream order."""
-        limit = min(held, self.max_held)
-        got: list[Msg] = []
-        while len(got) < limit and not self._stop.is_set():
-            result = await source.fetch(min(self.batch_size, limit - len(got)), self._stop)
-            got += result.messages
-            for msg in result.surplus:
-                await self._nak_quietly(msg)
-            if result.outcome != "messages" or any(m.metadata.num_delivered == 1 for m in result.messages):
-                break  # nothing more is due, or a new command: every redelivery came first
-        if got:
-            log.info("consumer %s: took back %d of %d held by the previous owner", self.durable, len(got), held)
-            dispatch(sorted(got, key=lambda m: m.metadata.sequence.stream))
-
-    async def _pin_revoked(self) -> None:
-        self.fence()
-        if self._on_fenced is not None:
-            self._on_fenced()
 
     async def _recover(self) -> None:
         """After a stall: provision the consumer again if it vanished (when allowed)."""

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
 
-__all__ = ["FetchResult", "Pause", "PullLoop", "PullSource"]
+__all__ = ["FetchResult", "Owner", "Pause", "PullLoop", "PullSource"]
 
 log = logging.getLogger("meshforge.consumer")
 
@@ -342,6 +342,16 @@ class Pause(Protocol):
     async def resumed(self) -> None: ...
 
 
+class Owner(Protocol):
+    """What a pull loop asks about the ownership of its durable (``Tenure``)."""
+
+    def take_back(self) -> int: ...
+
+    async def unpinned_idle(self, pinned: Callable[[], bool]) -> None: ...
+
+    async def refused(self) -> None: ...
+
+
 class PullLoop:
     """Fetch for free capacity, dispatch, back off when idle, and recover from stalls.
 
@@ -359,9 +369,12 @@ class PullLoop:
     nothing is in flight (a light load's message is fetched at once) or when fetches come
     back full (a backlog).
 
-    On a consumer with a pinned_client priority group, a 423 (our pin was revoked: another
-    client was given the consumer) ends the loop at once after ``fenced()``; an empty
-    fetch while not pinned calls ``unpinned_idle()`` (which may find another client pinned).
+    On a consumer with a pinned_client priority group the loop asks its ``owner`` (a
+    ``meshforge.topology.ownership.Tenure``): a 423 (our pin was revoked: another client
+    was given the consumer) ends the loop at once after ``owner.refused()``; an empty fetch
+    while not pinned calls ``owner.unpinned_idle()`` (which may find another client pinned
+    and take the consumer over again); and before each fetch ``owner.take_back()`` says how
+    many redeliveries to take back first, handed over as one batch in stream order.
     """
 
     def __init__(
@@ -378,8 +391,7 @@ class PullLoop:
         recover: Callable[[], Awaitable[None]],
         pending: Callable[[], Awaitable[int | None]],
         closed: Callable[[], bool],
-        fenced: Callable[[], Awaitable[None]] | None = None,
-        unpinned_idle: Callable[[], Awaitable[None]] | None = None,
+        owner: Owner | None = None,
         gather: float = 0.0,
         pause: Pause | None = None,
     ) -> None:
@@ -396,17 +408,20 @@ class PullLoop:
         self._recover = recover
         self._pending = pending
         self._closed = closed
-        self._fenced = fenced
-        self._unpinned_idle = unpinned_idle
+        self._owner = owner
 
     async def run(self) -> None:
         """Until ``stop`` is set; raises ``ConnectionError`` if the connection closes for good."""
         idle, silent = _IDLE_MIN, 0
         idle_since: float | None = None
         last_check = time.monotonic()
+        owner = self._owner
         while await self._wait_free(self._limit):
             if self._pause is not None and self._pause.paused:
                 await self._paused()
+                continue
+            if owner is not None and (due := owner.take_back()):
+                await self._take_back(due)
                 continue
             free = self._limit - self._in_flight()
             started = time.monotonic()
@@ -430,18 +445,18 @@ class PullLoop:
                     await self.rebuild(f"{silent} pull requests in a row went unanswered")
                     silent = 0
             elif result.outcome == "error":
-                if result.status == FENCED and self._fenced is not None:
+                if result.status == FENCED and owner is not None:
                     log.warning("pull %s: %s: another worker owns it now; fetching no more of it",
                                 self.source.durable, result.detail)  # fmt: skip
-                    await self._fenced()
+                    await owner.refused()
                     return
                 log.warning("pull %s: %s", self.source.durable, result.detail)
                 if result.status == "409" and "deleted" in result.detail.lower():
                     await self.rebuild(result.detail)
             else:
                 silent = 0
-                if self._unpinned_idle is not None and self.source.pin is None:
-                    await self._unpinned_idle()
+                if owner is not None and self.source.pin is None:
+                    await owner.unpinned_idle(self._pinned)
                 idle_since = idle_since or started
                 if time.monotonic() - max(idle_since, last_check) >= _STALL_CHECK:
                     last_check = time.monotonic()
@@ -450,6 +465,27 @@ class PullLoop:
                         await self.rebuild(f"{pending} messages pending but fetches return none")
             await self._sleep(idle - (time.monotonic() - started))
             idle = min(idle * 2, _IDLE_MAX)
+
+    def _pinned(self) -> bool:
+        return self.source.pin is not None
+
+    async def _take_back(self, due: int) -> None:
+        """Redeliveries of what a previous owner held come back in the order their ack
+        waits ran out, which its ``in_progress`` beats can have made differ from the order
+        they were stored. Take ``due`` of them back (as many as there is room for) before
+        handing any over, and hand them over as one batch in stream order."""
+        limit = min(due, self._limit - self._in_flight())
+        got: list[Msg] = []
+        while len(got) < limit and not self._stop.is_set():
+            result = await self.source.fetch(min(self._batch_size, limit - len(got)), self._stop)
+            got += result.messages
+            for msg in result.surplus:
+                await self._nak(msg)
+            if result.outcome != "messages" or any(m.metadata.num_delivered == 1 for m in result.messages):
+                break  # nothing more is due, or a new command: every redelivery came first
+        if got:
+            log.info("consumer %s: took back %d of %d held by the previous owner", self.source.durable, len(got), due)
+            self._dispatch(sorted(got, key=lambda m: m.metadata.sequence.stream))
 
     async def _paused(self) -> None:
         """Fetch nothing while an outage holds the work (what is held is kept alive)."""

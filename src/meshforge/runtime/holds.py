@@ -328,11 +328,11 @@ async def seed_from_stream(
     js: JetStreamContext,
     spec: ConsumerSpec,
     slot_of: Callable[[str, bytes, dict[str, str]], Slot | None],
-) -> int:
+) -> int | None:
     """Enter into ``holds`` what the durable has delivered and not had acknowledged (read
     from the stream between its ack floor and its last delivery), before this worker
-    pulls from it. Returns how many; 0 when the role may not read the stream by sequence
-    (then only what this worker is delivered itself keeps the order)."""
+    pulls from it. Returns how many; None when the stream cannot be read by sequence (a
+    role without it: then only what this worker is delivered itself keeps the order)."""
     from nats.js.errors import NotFoundError
 
     found: list[tuple[Slot, int]] = []
@@ -358,7 +358,7 @@ async def seed_from_stream(
     except Exception as exc:  # e.g. a role without STREAM.MSG.GET: order holds within this worker
         log.warning("%s: cannot read its unacknowledged commands (%s); later commands of"
                     " their resources are not held for them", spec.durable, one_line(exc))  # fmt: skip
-        return 0
+        return None
     holds.seed(found, due_in)
     return len(found)
 

@@ -29,7 +29,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -37,7 +37,7 @@ from meshforge.config import Settings, load_settings
 from meshforge.consume.consumer import Consumer
 from meshforge.consume.decisions import Decision, Delivery, Handler
 from meshforge.deadletters.route import REASONS
-from meshforge.errors import ConfigError, MissingTopology, TopologyError, one_line
+from meshforge.errors import ConfigError, one_line
 from meshforge.ops.observability import HttpEndpoint, Metrics, serve_http
 from meshforge.ops.probes import DEFAULT_PROBE_INTERVAL, Probes
 from meshforge.ops.retention import store_retention
@@ -49,14 +49,8 @@ from meshforge.runtime.holds import Holds, seed_from_stream, stream_has
 from meshforge.runtime.killswitch import KillSwitch
 from meshforge.store import open_store
 from meshforge.store.base import Store
-from meshforge.topology.partitions import (
-    Leases,
-    ensure_bucket,
-    lease_of,
-    open_bucket,
-    pinned_client,
-    unpin,
-)
+from meshforge.topology.ownership import Ownership, Tenure
+from meshforge.topology.partitions import ensure_bucket, lease_of, open_bucket
 from meshforge.topology.provision import ensure, verify
 from meshforge.topology.specs import (
     ConsumerSpec,
@@ -157,9 +151,10 @@ def _reads_commands(settings: Settings) -> bool:
 class _Partitions:
     """Runs the partition durables of one agent that this worker owns, over its engines.
 
-    Each engine (a lane) has one transaction in flight; a partition runs in the lane with
-    the fewest partitions when it starts, so its commands keep their order while the
-    lanes' transactions overlap.
+    Who owns what is the ``Ownership``'s business: it calls ``start`` with a ``Tenure``
+    for each slot it takes and ``stop`` for each it gives up. Each engine (a lane) has one
+    transaction in flight; a partition runs in the lane with the fewest partitions when it
+    starts, so its commands keep their order while the lanes' transactions overlap.
     """
 
     def __init__(
@@ -172,9 +167,9 @@ class _Partitions:
         self.consumers: dict[str, Consumer] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.lose: Callable[[str], None] = lambda slot: None  # the Leases' own, once made
 
-    def start(self, slot: str, clean: bool) -> None:
+    def start(self, tenure: Tenure) -> None:
+        slot = tenure.slot
         lane = self.lanes.get(slot)
         if lane is None:  # else still stopping there: the same lane keeps its order
             load = [0] * len(self.engines)
@@ -182,96 +177,36 @@ class _Partitions:
                 load[taken] += 1
             lane = self.lanes[slot] = load.index(min(load))
         engine = self.engines[lane]
-        spec = self.specs[slot]
-
-        def fenced() -> None:
-            if self.consumers.get(slot) is consumer:  # not a consumer of the slot's past
-                self.lose(slot)
-
-        async def unpinned_idle() -> None:
-            await self._check_pin(spec, consumer)
-
         consumer = Consumer(
-            self.conn, spec, batch_handler=engine.handle, settings=self.settings,
+            self.conn, tenure.spec, batch_handler=engine.handle, settings=self.settings,
             metrics=self.metrics, publisher=self.publisher, provision=False,
             batch_size=engine.fetch_size, max_held=engine.max_held, max_deliver=None,
-            on_fenced=fenced, on_unpinned_idle=unpinned_idle, pause=engine.kill_switch,
+            owner=tenure, pause=engine.kill_switch,
         )  # fmt: skip
         self.consumers[slot] = consumer
-        self.tasks[slot] = asyncio.create_task(self._run(slot, consumer, clean))
+        self.tasks[slot] = asyncio.create_task(self._run(tenure, consumer))
 
-    def fence(self, slot: str) -> None:
-        """Our lease of ``slot`` is gone: its consumer stops fetching and extending at once."""
-        consumer = self.consumers.get(slot)
-        if consumer is not None:
-            consumer.fence()
+    async def read_held(self, spec: ConsumerSpec) -> int | None:
+        """What the durable's previous owner left unacknowledged holds back its resources'
+        later commands (None: this worker cannot read it); the counts of held deliveries
+        it kept are read again."""
+        found = None
+        if _reads_commands(self.settings):
+            engine = self.engines[0]  # the lanes share one Holds
+            found = await seed_from_stream(engine.holds, self.conn.js, spec, engine.slot_of)
+        for lane in self.engines:
+            lane.reload_holds()
+        return found
 
-    async def _run(self, slot: str, consumer: Consumer, clean: bool) -> None:
+    async def _run(self, tenure: Tenure, consumer: Consumer) -> None:
         try:
-            spec = self.specs[slot]
-            consumer.held_before = await self._take_over(spec, clean)
-            # What the previous owner left unacknowledged holds back its resources' later
-            # commands; the counts of held deliveries it kept are read again.
-            engine = self.engines[self.lanes[slot]]
-            if _reads_commands(self.settings):
-                await seed_from_stream(engine.holds, self.conn.js, spec, engine.slot_of)
-            for lane in self.engines:
-                lane.reload_holds()
+            await tenure.claim()
             await consumer.run()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             if not self.failed.done():
                 self.failed.set_exception(exc)
-
-    async def _take_over(self, spec: ConsumerSpec, clean: bool) -> int:
-        """Before the first pull: revoke the previous owner's pin, so the server refuses
-        its pulls, old or still on their way; then (``clean`` False) let what it holds
-        come back first. Nothing can be delivered to it after the unpin, so whatever it
-        still holds is counted by the server now. Returns that count."""
-        delay = 0.1
-        while True:
-            try:
-                await unpin(self.conn.js, spec.stream, spec.durable, spec.priority_group)
-                break
-            except MissingTopology:
-                raise
-            except Exception as exc:  # no answer: the server is away or busy; a denial is final
-                denied = self.conn.last_error or ""
-                if "permissions violation" in denied.lower():
-                    raise TopologyError(f"cannot unpin {spec.durable}: {denied}") from None
-                log.warning("%s: unpin failed (%s); trying again before pulling", spec.durable, one_line(exc))
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 2.0)
-        return 0 if clean else await self._await_redeliveries(spec)
-
-    async def _check_pin(self, spec: ConsumerSpec, consumer: Consumer) -> None:
-        """An idle pull, and we are not pinned: is another client? (A worker that stalled
-        right after claiming the partition, before anything was delivered to it, pulls
-        without a pin and may be pinned after our unpin.) Then fence it off again."""
-        try:
-            pinned = await pinned_client(self.conn.js, spec.stream, spec.durable, spec.priority_group)
-        except Exception as exc:  # the server may be away: the next idle pull asks again
-            log.debug("%s: pin state unavailable: %s", spec.durable, one_line(exc))
-            return
-        if pinned is None or consumer.pinned or consumer.fenced:
-            return
-        log.warning("%s: another client is pinned while this worker owns it; unpinning it", spec.durable)
-        await self._take_over(spec, clean=False)
-
-    async def _await_redeliveries(self, spec: ConsumerSpec) -> int:
-        """A partition taken from a dead owner: let its unacknowledged commands come due
-        first, so they are redelivered before any later command of their resources.
-        Returns how many there were."""
-        info = await self.conn.js.consumer_info(spec.stream, spec.durable)
-        if not info.num_ack_pending:
-            return 0
-        cfg = info.config
-        wait = max([*(cfg.backoff or []), cfg.ack_wait or spec.effective_ack_wait])
-        log.info("%s: %d unacknowledged; starting in %gs when they are due again",
-                 spec.durable, info.num_ack_pending, wait)  # fmt: skip
-        await asyncio.sleep(wait)
-        return int(info.num_ack_pending)
 
     async def stop(self, slot: str) -> None:
         consumer, task = self.consumers.pop(slot, None), self.tasks.pop(slot, None)
@@ -280,7 +215,7 @@ class _Partitions:
         if consumer.ready.is_set() or task.done():
             await consumer.stop(self.settings.shutdown_timeout)
         else:
-            task.cancel()  # still waiting to start: nothing in flight
+            task.cancel()  # still claiming: nothing in flight
         with contextlib.suppress(asyncio.CancelledError):
             await task
         if slot not in self.consumers:  # not started again meanwhile
@@ -319,7 +254,7 @@ class Worker:
         self._store = store
         self._own_store = store is None
         self._consumers: list[Consumer] = []
-        self._leases: list[Leases] = []
+        self._ownerships: list[Ownership] = []
         self._partitions: list[_Partitions] = []
         self._engines: list[Engine[Any]] = []
         self._stopping = asyncio.Event()
@@ -363,8 +298,8 @@ class Worker:
                         interval=settings.retention_interval, stop=self._stopping,
                     )
                 )  # fmt: skip
-            rounds = [asyncio.Event() for _ in self._leases]
-            owning = [asyncio.create_task(le.run(ev)) for le, ev in zip(self._leases, rounds, strict=True)]
+            rounds = [asyncio.Event() for _ in self._ownerships]
+            owning = [asyncio.create_task(o.run(ev)) for o, ev in zip(self._ownerships, rounds, strict=True)]
             runs += owning
             await self._wait_ready(runs, stop, rounds)
             if not stop.done():
@@ -379,7 +314,7 @@ class Worker:
             await asyncio.gather(*owning, return_exceptions=True)
             await asyncio.gather(
                 *(c.stop(settings.shutdown_timeout) for c in self._consumers),
-                *(le.close() for le in self._leases),
+                *(o.close() for o in self._ownerships),
             )
             results: list[BaseException | None] = list(await asyncio.gather(*runs, return_exceptions=True))
             results += [f.exception() for f in failures if f.done()]
@@ -466,13 +401,11 @@ class Worker:
                 self._engines += lanes[1:]
                 part = _Partitions(conn, group, lanes, publisher, settings, self.metrics)
                 self._partitions.append(part)
-                # Every durable of the group shares the unpartitioned one's stem.
-                stem = group["u"].durable.removesuffix("_unpartitioned")
-                period = await lease_of(kv) / 3
-                leases = Leases(conn.js, kv, stem, list(group), spare=["u"], start=part.start,
-                                stop=part.stop, period=period, fence=part.fence)  # fmt: skip
-                part.lose = leases.lose
-                self._leases.append(leases)
+                ownership = Ownership(
+                    conn.js, kv, group, run=part.start, stop=part.stop, period=await lease_of(kv) / 3,
+                    read_held=part.read_held, last_error=lambda: conn.last_error,
+                )  # fmt: skip
+                self._ownerships.append(ownership)
                 continue
             if self.deliver_group:
                 consumer = Consumer(

@@ -220,7 +220,7 @@ class Leases:
         group: str,
         slots: Sequence[str],
         *,
-        start: Callable[[str, bool], None],
+        start: Callable[[str, bool], object],
         stop: Callable[[str], Awaitable[None]],
         period: float,
         worker: str | None = None,
