@@ -20,6 +20,13 @@ from datetime import UTC, datetime
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from meshforge.deadletters.route import (
+    REASON_EXPIRED,
+    REASON_MALFORMED,
+    REASON_MAX_DELIVERIES,
+    REASON_REJECTED,
+    REASON_UNRECOVERABLE,
+)
 from meshforge.envelope import Envelope
 from meshforge.errors import one_line
 
@@ -40,11 +47,6 @@ __all__ = [
     "Middleware",
 ]
 
-REASON_MALFORMED = "malformed"
-REASON_UNRECOVERABLE = "unrecoverable"
-REASON_MAX_DELIVERIES = "max_deliveries"
-REASON_EXPIRED = "expired"
-REASON_REJECTED = "rejected"
 
 
 class Action(Enum):
