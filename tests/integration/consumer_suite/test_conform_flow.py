@@ -14,18 +14,15 @@ from collections.abc import Sequence
 import pytest
 from consumer_support import (
     connection,
-    counter_value,
     publish_envelopes,
     running,
-    settings,
-    subject_for,
-    unique_agent,
     wait_until,
 )
 from nats.js import JetStreamContext
 from variants import (
     BATCHES,
     DELIVER_GROUP,
+    Case,
     Variant,
     ack_pending,
     each_variant,
@@ -36,8 +33,6 @@ from variants import (
 from meshforge.consume.consumer import Consumer, Decision, Delivery
 from meshforge.envelope import Envelope
 from meshforge.errors import ConfigError
-from meshforge.ops.observability import Metrics
-from meshforge.topology.specs import agent_consumer
 from meshforge.topology.subjects import STREAM_COMMANDS
 from meshforge.transport.connection import Connection
 
@@ -46,9 +41,7 @@ from meshforge.transport.connection import Connection
 async def test_the_server_never_hands_out_more_than_the_consumer_can_hold(
     variant: Variant, conn: Connection, js: JetStreamContext
 ) -> None:
-    s = settings(concurrency=3, batch_size=4)
-    agent, metrics = unique_agent(), Metrics()
-    spec = agent_consumer(agent, s)
+    c = Case.new(concurrency=3, batch_size=4)
     release = asyncio.Event()
     holding = peak = 0
     calls: list[int] = []
@@ -65,18 +58,16 @@ async def test_the_server_never_hands_out_more_than_the_consumer_can_hold(
 
     # ack_sync: an ack is processed by the server before the next fetch, so the server's
     # count of unacknowledged messages is exact (plain acks are applied asynchronously).
-    consumer = variant.consumer(
-        conn, spec, behave, settings=s, metrics=metrics, ack_sync=True, calls=calls
-    )
+    consumer = variant.consumer(conn, c, behave, ack_sync=True, calls=calls)
     # A single handler: the concurrency; a batch handler: two fetches (``max_held``).
     capacity = variant.capacity(consumer)
     assert capacity == (2 * 4 if variant.batch else 3)
-    await publish_envelopes(js, subject_for(agent), 30)  # a backlog before the consumer starts
-    async with running(consumer), sampling_ack_pending(js, spec.durable) as samples:
+    await publish_envelopes(js, c.subject, 30)  # a backlog before the consumer starts
+    async with running(consumer), sampling_ack_pending(js, c.durable) as samples:
         await wait_until(lambda: holding == capacity, what=f"{capacity} deliveries held")
         # Held at capacity: nothing more is handed out, however long the handlers take.
         for _ in range(3):
-            info = await js.consumer_info(STREAM_COMMANDS, spec.durable)
+            info = await js.consumer_info(STREAM_COMMANDS, c.durable)
             assert (info.num_ack_pending, info.num_pending) == (capacity, 30 - capacity)
             await asyncio.sleep(0.1)  # the handlers keep holding meanwhile
         assert holding == capacity
@@ -89,18 +80,16 @@ async def test_the_server_never_hands_out_more_than_the_consumer_can_hold(
     assert len(samples) > 5 and max(samples) <= capacity, samples
     batch_size = 4 if BATCHES in variant else 1
     assert sum(calls) == 30 and all(1 <= n <= batch_size for n in calls), calls
-    info = await js.consumer_info(STREAM_COMMANDS, spec.durable)
+    info = await js.consumer_info(STREAM_COMMANDS, c.durable)
     assert info.num_redelivered == 0 and info.num_ack_pending == 0
-    assert counter_value(metrics.consumed, consumer=spec.durable) == 30
+    assert c.count("consumed") == 30
 
 
 @each_variant()
 async def test_members_sharing_a_durable_each_take_a_share_and_every_message_once(
     variant: Variant, nats_url: str, js: JetStreamContext
 ) -> None:
-    s = settings(concurrency=2, batch_size=2)
-    agent, metrics = unique_agent(), Metrics()
-    spec = agent_consumer(agent, s)
+    c = Case.new(concurrency=2, batch_size=2)
     seen: Counter[int] = Counter()
     by_member: Counter[str] = Counter()
     # A push durable delivers to one deliver group; a pull durable serves whoever pulls.
@@ -116,15 +105,15 @@ async def test_members_sharing_a_durable_each_take_a_share_and_every_message_onc
         return behave
 
     async with connection(nats_url, "a") as ca, connection(nats_url, "b") as cb:
-        first = variant.consumer(ca, spec, member("a"), settings=s, metrics=metrics, **options)
-        second = variant.consumer(cb, spec, member("b"), settings=s, metrics=metrics, **options)
+        first = variant.consumer(ca, c, member("a"), **options)
+        second = variant.consumer(cb, c, member("b"), **options)
         async with running(first), running(second):
             if DELIVER_GROUP in variant:
-                info = await js.consumer_info(STREAM_COMMANDS, spec.durable)
+                info = await js.consumer_info(STREAM_COMMANDS, c.durable)
                 assert info.config.deliver_group == "workers"
                 assert info.config.max_ack_pending == 2  # the concurrency, for the whole group
-            await publish_envelopes(js, subject_for(agent), 40)
-            await wait_until(lambda: counter_value(metrics.acked, consumer=spec.durable) == 40, 20)
+            await publish_envelopes(js, c.subject, 40)
+            await wait_until(lambda: c.count("acked") == 40, 20)
     assert sorted(seen) == list(range(40))
     assert set(seen.values()) == {1}
     assert by_member["a"] > 0 and by_member["b"] > 0, by_member
@@ -134,19 +123,17 @@ async def test_members_sharing_a_durable_each_take_a_share_and_every_message_onc
 async def test_an_idle_consumer_picks_up_a_new_message_quickly(
     variant: Variant, conn: Connection, js: JetStreamContext
 ) -> None:
-    s = settings()
-    agent = unique_agent()
-    spec = agent_consumer(agent, s)
+    c = Case.new()
     got: list[float] = []
 
     async def behave(d: Delivery) -> None:
         got.append(time.monotonic())
 
-    consumer = variant.consumer(conn, spec, behave, settings=s, metrics=Metrics())
+    consumer = variant.consumer(conn, c, behave)
     async with running(consumer):
         await asyncio.sleep(2.5)  # let the consumer go idle (a pull loop's backoff at its cap)
         sent = time.monotonic()
-        await publish_envelopes(js, subject_for(agent), 1)
+        await publish_envelopes(js, c.subject, 1)
         await wait_until(lambda: len(got) == 1, timeout=5)
     assert got[0] - sent < 1.5
 
@@ -155,9 +142,7 @@ async def test_an_idle_consumer_picks_up_a_new_message_quickly(
 async def test_stop_finishes_in_flight_work_then_returns(
     variant: Variant, conn: Connection, js: JetStreamContext
 ) -> None:
-    s = settings(concurrency=4)
-    agent, metrics = unique_agent(), Metrics()
-    spec = agent_consumer(agent, s)
+    c = Case.new(concurrency=4)
     started: list[int] = []
     finished: list[int] = []
 
@@ -166,27 +151,25 @@ async def test_stop_finishes_in_flight_work_then_returns(
         await asyncio.sleep(0.5)  # in flight when stop() is called
         finished.append(1)
 
-    consumer = variant.consumer(conn, spec, behave, settings=s, metrics=metrics)
+    consumer = variant.consumer(conn, c, behave)
     task = asyncio.create_task(consumer.run())
     await consumer.ready.wait()
-    await publish_envelopes(js, subject_for(agent), 4)
+    await publish_envelopes(js, c.subject, 4)
     await wait_until(lambda: len(started) == 4)
     await consumer.stop(timeout=5)
     await asyncio.wait_for(task, 5)
     assert len(finished) == 4
-    assert counter_value(metrics.acked, consumer=spec.durable) == 4
-    assert counter_value(metrics.naked, consumer=spec.durable) == 0
+    assert c.count("acked") == 4
+    assert c.count("naked") == 0
     assert not consumer.ready.is_set()
-    await wait_until(lambda: settled(js, spec.durable), timeout=5, what="the acks to be applied")
+    await wait_until(lambda: settled(js, c.durable), timeout=5, what="the acks to be applied")
 
 
 @each_variant()
 async def test_stop_naks_what_cannot_finish_so_it_comes_back_promptly(
     variant: Variant, nats_url: str, js: JetStreamContext
 ) -> None:
-    s = settings(concurrency=2, ack_wait=30)
-    agent = unique_agent()
-    spec = agent_consumer(agent, s)
+    c = Case.new(concurrency=2, ack_wait=30)
     started: list[int] = []
     second: list[int] = []
 
@@ -198,21 +181,21 @@ async def test_stop_naks_what_cannot_finish_so_it_comes_back_promptly(
         second.append(d.num_delivered)
 
     async with connection(nats_url, "a") as ca, connection(nats_url, "b") as cb:
-        first = variant.consumer(ca, spec, stuck, settings=s, metrics=Metrics())
+        first = variant.consumer(ca, c, stuck)
         task = asyncio.create_task(first.run())
         await first.ready.wait()
-        await publish_envelopes(js, subject_for(agent), 2)
+        await publish_envelopes(js, c.subject, 2)
         await wait_until(lambda: len(started) == 2)
         t0 = time.monotonic()
         await first.stop(timeout=0.2)
         await asyncio.wait_for(task, 5)
         assert time.monotonic() - t0 < 3
-        later = variant.consumer(cb, spec, quick, settings=s, metrics=Metrics())
+        later = variant.consumer(cb, c, quick)
         async with running(later):
             # Well inside the 30 s ack wait: they were nak'ed, not abandoned.
             await wait_until(lambda: len(second) == 2, timeout=5)
     assert second == [2, 2]
-    assert await ack_pending(js, spec.durable) == 0
+    assert await ack_pending(js, c.durable) == 0
 
 
 @each_variant(BATCHES)
@@ -222,9 +205,7 @@ async def test_a_batch_consumer_takes_a_steady_trickle_in_few_batches(
     # Commands arrive one every 2 ms while each batch takes 30 ms: what comes meanwhile
     # waits at the server for the batch in flight and comes in one fetch, instead of a
     # fetch and a batch for each command or two.
-    s = settings(batch_size=64)
-    agent, metrics = unique_agent(), Metrics()
-    spec = agent_consumer(agent, s)
+    c = Case.new(batch_size=64)
     handled: list[int] = []
     calls: list[int] = []
 
@@ -233,14 +214,14 @@ async def test_a_batch_consumer_takes_a_steady_trickle_in_few_batches(
         handled.append(d.envelope.payload["n"])
         await asyncio.sleep(0.03)  # the batch's work (its deliveries' at once)
 
-    consumer = variant.consumer(conn, spec, behave, settings=s, metrics=metrics, calls=calls)
+    consumer = variant.consumer(conn, c, behave, calls=calls)
     async with running(consumer):
         started = time.monotonic()
         for env in [Envelope.new("test.do", {"n": i}) for i in range(100)]:
-            await js.publish(subject_for(agent), env.encode(), headers=env.headers())
+            await js.publish(c.subject, env.encode(), headers=env.headers())
             await asyncio.sleep(0.002)  # the load's pace
         took = time.monotonic() - started
-        await wait_until(lambda: counter_value(metrics.acked, consumer=spec.durable) == 100, 20)
+        await wait_until(lambda: c.count("acked") == 100, 20)
     assert sorted(handled) == list(range(100))
     # While a batch is in flight, one fetch every 10 ms at most (``_GATHER``), however slow
     # the publisher: a fetch for every command or two would be 50 batches or more.
@@ -251,27 +232,25 @@ async def test_a_batch_consumer_takes_a_steady_trickle_in_few_batches(
 async def test_a_batch_handler_error_decides_for_every_delivery_of_the_batch(
     variant: Variant, conn: Connection, js: JetStreamContext
 ) -> None:
-    s = settings(batch_size=5, max_deliver=2, backoff="500ms")
-    agent, metrics = unique_agent(), Metrics()
-    spec = agent_consumer(agent, s)
-    label = {"consumer": spec.durable}
+    c = Case.new(batch_size=5, max_deliver=2, backoff="500ms")
     calls: list[int] = []
 
     async def handle_batch(ds: Sequence[Delivery]) -> list[Decision]:
         calls.append(len(ds))
         raise RuntimeError("downstream unavailable")
 
-    await publish_envelopes(js, subject_for(agent), 3)  # one fetch takes all three
+    await publish_envelopes(js, c.subject, 3)  # one fetch takes all three
     consumer = Consumer(
-        conn, spec, batch_handler=handle_batch, settings=s, metrics=metrics, mode=variant.mode
-    )
+        conn, c.spec, batch_handler=handle_batch, settings=c.settings, metrics=c.metrics,
+        mode=variant.mode,
+    )  # fmt: skip
     async with running(consumer):
         await wait_until(
-            lambda: counter_value(metrics.dead_lettered, reason="max_deliveries", **label) == 3,
+            lambda: c.count("dead_lettered", reason="max_deliveries") == 3,
             timeout=15,
         )
     assert calls[0] == 3 and sum(calls) == 6  # one error, three naks; then three dead letters
-    assert counter_value(metrics.naked, **label) == 3
+    assert c.count("naked") == 3
 
 
 async def test_a_batch_handler_needs_pull(conn: Connection) -> None:
@@ -280,6 +259,6 @@ async def test_a_batch_handler_needs_pull(conn: Connection) -> None:
     async def handle_batch(ds: Sequence[Delivery]) -> list[Decision]:
         return [Decision.ack() for _ in ds]
 
-    spec = agent_consumer(unique_agent(), settings())
+    c = Case.new()
     with pytest.raises(ConfigError, match="a batch handler needs mode='pull'"):
-        Consumer(conn, spec, batch_handler=handle_batch, settings=settings(), mode="push")
+        Consumer(conn, c.spec, batch_handler=handle_batch, settings=c.settings, mode="push")

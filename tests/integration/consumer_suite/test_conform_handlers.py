@@ -8,25 +8,19 @@ from datetime import timedelta
 
 import pytest
 from consumer_support import (
-    counter_value,
     publish_envelopes,
     running,
-    settings,
-    subject_for,
-    unique_agent,
     wait_until,
 )
 from inbox_support import credit, credits, publish
 from nats.js import JetStreamContext
-from variants import MIDDLEWARES, Variant, each_variant
+from variants import MIDDLEWARES, Case, Variant, each_variant
 
 from meshforge.consume.consumer import Decision, Delivery, Handler
 from meshforge.consume.inbox import with_inbox
 from meshforge.consume.middleware.tracing import SPAN_ID, TRACE_ID
 from meshforge.errors import ConfigError
-from meshforge.ops.observability import Metrics
 from meshforge.store import Store, Transaction
-from meshforge.topology.specs import agent_consumer
 from meshforge.transport.connection import Connection
 
 
@@ -34,9 +28,7 @@ from meshforge.transport.connection import Connection
 async def test_middlewares_run_in_order_inside_tracing(
     variant: Variant, conn: Connection, js: JetStreamContext
 ) -> None:
-    s = settings()
-    agent = unique_agent()
-    spec = agent_consumer(agent, s)
+    c = Case.new()
     order: list[str] = []
     traces: list[tuple[str, str]] = []
 
@@ -59,13 +51,11 @@ async def test_middlewares_run_in_order_inside_tracing(
         # A batch handler is one call for a whole fetch: middlewares of one delivery would
         # not run, and the consumer says so rather than drop them.
         with pytest.raises(ConfigError, match="a batch handler runs without them"):
-            variant.consumer(conn, spec, behave, settings=s, middlewares=middlewares)
+            variant.consumer(conn, c, behave, middlewares=middlewares)
         return
-    consumer = variant.consumer(
-        conn, spec, behave, settings=s, metrics=Metrics(), middlewares=middlewares
-    )
+    consumer = variant.consumer(conn, c, behave, middlewares=middlewares)
     async with running(consumer):
-        [env] = await publish_envelopes(js, subject_for(agent), 1)
+        [env] = await publish_envelopes(js, c.subject, 1)
         await wait_until(lambda: len(order) == 5)
     assert order == ["outer>", "inner>", "handler", "<inner", "<outer"]
     assert traces == [(env.trace_id, env.span_id)]
@@ -75,9 +65,7 @@ async def test_middlewares_run_in_order_inside_tracing(
 async def test_a_middleware_can_decide_without_the_handler(
     variant: Variant, conn: Connection, js: JetStreamContext
 ) -> None:
-    s = settings()
-    agent, metrics = unique_agent(), Metrics()
-    spec = agent_consumer(agent, s)
+    c = Case.new()
     called: list[int] = []
 
     async def gate(d: Delivery, call_next: Handler) -> Decision | None:
@@ -86,12 +74,10 @@ async def test_a_middleware_can_decide_without_the_handler(
     async def behave(d: Delivery) -> None:
         called.append(1)
 
-    consumer = variant.consumer(conn, spec, behave, settings=s, metrics=metrics, middlewares=[gate])
+    consumer = variant.consumer(conn, c, behave, middlewares=[gate])
     async with running(consumer):
-        await publish_envelopes(js, subject_for(agent), 1)
-        await wait_until(
-            lambda: counter_value(metrics.dead_lettered, consumer=spec.durable, reason="rejected") == 1
-        )
+        await publish_envelopes(js, c.subject, 1)
+        await wait_until(lambda: c.count("dead_lettered", reason="rejected") == 1)
     assert called == []
 
 
@@ -99,17 +85,15 @@ async def test_a_middleware_can_decide_without_the_handler(
 async def test_decode_false_hands_raw_bytes_and_headers(
     variant: Variant, conn: Connection, js: JetStreamContext
 ) -> None:
-    s = settings()
-    agent = unique_agent()
-    spec = agent_consumer(agent, s)
+    c = Case.new()
     seen: list[Delivery] = []
 
     async def behave(d: Delivery) -> None:
         seen.append(d)
 
-    consumer = variant.consumer(conn, spec, behave, settings=s, metrics=Metrics(), decode=False)
+    consumer = variant.consumer(conn, c, behave, decode=False)
     async with running(consumer):
-        await js.publish(subject_for(agent), b"raw bytes", headers={"Idempotency-Key": "k1"})
+        await js.publish(c.subject, b"raw bytes", headers={"Idempotency-Key": "k1"})
         await wait_until(lambda: len(seen) == 1)
     [d] = seen
     assert d.envelope is None and d.data == b"raw bytes"
@@ -122,28 +106,26 @@ async def test_the_inbox_acks_a_redelivery_after_commit_without_a_second_effect(
     variant: Variant, conn: Connection, js: JetStreamContext, inbox_store: Store
 ) -> None:
     """The handler committed but its ack was lost: the redelivery finds the key processed."""
-    s = settings()
-    agent, metrics = unique_agent(), Metrics()
-    spec = agent_consumer(agent, s)
+    c = Case.new()
     runs: list[int] = []
 
     def counted(delivery: Delivery, tx: Transaction) -> None:
         runs.append(delivery.num_delivered)
         credit(delivery, tx)
 
-    inboxed = with_inbox(inbox_store, spec.durable, counted, metrics=metrics)
+    inboxed = with_inbox(inbox_store, c.durable, counted, metrics=c.metrics)
 
     async def lose_first_ack(d: Delivery) -> Decision | None:
         result = await inboxed(d)
         return Decision.nak(0) if d.num_delivered == 1 else result
 
-    consumer = variant.consumer(conn, spec, lose_first_ack, settings=s, metrics=metrics)
+    consumer = variant.consumer(conn, c, lose_first_ack)
     async with running(consumer):
-        env = await publish(js, subject_for(agent), "once", 7)
-        await wait_until(lambda: counter_value(metrics.acked, consumer=spec.durable) == 1)
+        env = await publish(js, c.subject, "once", 7)
+        await wait_until(lambda: c.count("acked") == 1)
     assert runs == [1]
     assert credits(inbox_store) == [("once", 7)]
-    assert counter_value(metrics.duplicates_skipped, consumer=spec.durable) == 1
-    assert counter_value(metrics.redeliveries, consumer=spec.durable) == 1
-    [row] = list(inbox_store.inbox_read(spec.durable))
+    assert c.count("duplicates_skipped") == 1
+    assert c.count("redeliveries") == 1
+    [row] = list(inbox_store.inbox_read(c.durable))
     assert row.key == "once" and row.message_id == env.id and row.status == "processed"

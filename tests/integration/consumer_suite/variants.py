@@ -42,8 +42,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import pytest
+from consumer_support import counter_value, settings, subject_for, unique_agent
 from nats.js import JetStreamContext
 
+from meshforge.config import Settings
 from meshforge.consume.consumer import Consumer, Decision, Delivery, Handler
 from meshforge.consume.decisions import BatchHandler
 from meshforge.deadletters.route import (
@@ -56,7 +58,8 @@ from meshforge.deadletters.route import (
     H_DLQ_STREAM_SEQ,
     H_DLQ_TIMESTAMP,
 )
-from meshforge.topology.specs import ConsumerSpec
+from meshforge.ops.observability import Metrics
+from meshforge.topology.specs import ConsumerSpec, agent_consumer
 from meshforge.topology.subjects import STREAM_COMMANDS
 from meshforge.transport.connection import Connection
 
@@ -93,14 +96,17 @@ class Variant:
     def consumer(
         self,
         conn: Connection,
-        spec: ConsumerSpec,
+        case: Case,
         behave: Behave,
         *,
         calls: list[int] | None = None,
         **options: Any,
     ) -> Consumer:
-        """A consumer of this variant running ``behave`` for each delivery; ``calls`` gets
-        the number of deliveries each handler call was given."""
+        """A consumer of this variant for the case's durable (with its settings and metrics
+        unless ``options`` say otherwise) running ``behave`` for each delivery; ``calls``
+        gets the number of deliveries each handler call was given."""
+        spec = case.spec
+        options = {"settings": case.settings, "metrics": case.metrics, **options}
         if self.batch:
             return Consumer(conn, spec, batch_handler=as_batch(behave, calls), mode=self.mode, **options)
         if calls is None:
@@ -144,6 +150,35 @@ def each_variant(*needs: str) -> pytest.MarkDecorator:
         raise ValueError(f"unknown capabilities: {sorted(unknown)}")
     chosen = [v for v in VARIANTS if all(n in v for n in needs)]
     return pytest.mark.parametrize("variant", chosen, ids=str)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One test's agent: its settings, its durable on MESHFORGE_COMMANDS, fresh metrics."""
+
+    agent: str
+    settings: Settings
+    spec: ConsumerSpec
+    metrics: Metrics
+
+    @classmethod
+    def new(cls, **values: object) -> Case:
+        """A new agent with settings from ``values`` and defaults only."""
+        agent, s = unique_agent(), settings(**values)
+        return cls(agent, s, agent_consumer(agent, s), Metrics())
+
+    @property
+    def durable(self) -> str:
+        return self.spec.durable
+
+    @property
+    def subject(self) -> str:
+        """Where a command to the agent goes."""
+        return subject_for(self.agent)
+
+    def count(self, metric: str, **labels: str) -> float:
+        """The value of one of the case's metrics (``acked``, ``naked``, ...) for its durable."""
+        return counter_value(getattr(self.metrics, metric), consumer=self.durable, **labels)
 
 
 # ------------------------------------------------------------------ the server's view
