@@ -16,7 +16,7 @@ from consumer_support import (
     wait_until,
 )
 from nats.js import JetStreamContext
-from variants import Case, Variant, ack_pending, each_variant, settled
+from variants import Case, Variant, ack_pending, each_variant, redelivered_and_pending, settled
 
 from meshforge.consume.consumer import Decision, Delivery
 from meshforge.envelope import Envelope
@@ -109,8 +109,7 @@ async def test_in_progress_keeps_a_slow_handler_past_the_ack_wait(
         await publish_envelopes(js, c.subject, 3)
         await wait_until(lambda: c.count("acked") == 3, 15)
     assert deliveries == [1, 1, 1]
-    info = await js.consumer_info(STREAM_COMMANDS, c.durable)
-    assert info.num_redelivered == 0 and info.num_ack_pending == 0
+    assert await redelivered_and_pending(js, c.durable) == (0, 0)
     assert c.count("redeliveries") == 0
 
 

@@ -26,6 +26,7 @@ from variants import (
     Variant,
     ack_pending,
     each_variant,
+    redelivered_and_pending,
     sampling_ack_pending,
     settled,
 )
@@ -80,8 +81,7 @@ async def test_the_server_never_hands_out_more_than_the_consumer_can_hold(
     assert len(samples) > 5 and max(samples) <= capacity, samples
     batch_size = 4 if BATCHES in variant else 1
     assert sum(calls) == 30 and all(1 <= n <= batch_size for n in calls), calls
-    info = await js.consumer_info(STREAM_COMMANDS, c.durable)
-    assert info.num_redelivered == 0 and info.num_ack_pending == 0
+    assert await redelivered_and_pending(js, c.durable) == (0, 0)
     assert c.count("consumed") == 30
 
 

@@ -85,10 +85,6 @@ class Variant:
     def __contains__(self, capability: str) -> bool:
         return capability in self.capabilities
 
-    @property
-    def push(self) -> bool:
-        return self.mode == "push"
-
     def capacity(self, consumer: Consumer) -> int:
         """The most messages the consumer holds unacknowledged at once."""
         return consumer.max_held if self.batch else consumer.concurrency
@@ -105,18 +101,22 @@ class Variant:
         """A consumer of this variant for the case's durable (with its settings and metrics
         unless ``options`` say otherwise) running ``behave`` for each delivery; ``calls``
         gets the number of deliveries each handler call was given."""
-        spec = case.spec
-        options = {"settings": case.settings, "metrics": case.metrics, **options}
+        options = {"settings": case.settings, "metrics": case.metrics, "mode": self.mode, **options}
         if self.batch:
-            return Consumer(conn, spec, batch_handler=as_batch(behave, calls), mode=self.mode, **options)
-        if calls is None:
-            return Consumer(conn, spec, handler=behave, mode=self.mode, **options)
+            return Consumer(conn, case.spec, batch_handler=as_batch(behave, calls), **options)
+        return Consumer(conn, case.spec, handler=counting(behave, calls), **options)
 
-        async def counted(d: Delivery) -> Decision | None:
-            calls.append(1)
-            return await behave(d)
 
-        return Consumer(conn, spec, handler=counted, mode=self.mode, **options)
+def counting(behave: Behave, calls: list[int] | None) -> Handler:
+    """``behave``, noting each call in ``calls`` (when given)."""
+    if calls is None:
+        return behave
+
+    async def counted(d: Delivery) -> Decision | None:
+        calls.append(1)
+        return await behave(d)
+
+    return counted
 
 
 def as_batch(behave: Behave, calls: list[int] | None = None) -> BatchHandler:
@@ -186,6 +186,12 @@ class Case:
 
 async def ack_pending(js: JetStreamContext, durable: str) -> int:
     return (await js.consumer_info(STREAM_COMMANDS, durable)).num_ack_pending or 0
+
+
+async def redelivered_and_pending(js: JetStreamContext, durable: str) -> tuple[int, int]:
+    """How many messages the server delivered again, and how many it awaits acks for."""
+    info = await js.consumer_info(STREAM_COMMANDS, durable)
+    return info.num_redelivered or 0, info.num_ack_pending or 0
 
 
 async def settled(js: JetStreamContext, durable: str) -> bool:
