@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 from consumer_support import (
     counter_value,
     running,
@@ -15,62 +10,26 @@ from consumer_support import (
     unique_agent,
     wait_until,
 )
+from inbox_support import TABLE, credit, credits, publish
 from nats.js import JetStreamContext
 
-from meshforge.consume.consumer import Consumer, Decision, Delivery, Handler
+from meshforge.consume.consumer import Consumer, Decision, Delivery
 from meshforge.consume.inbox import AsyncTransaction, cleanup_inbox_once, inbox_cleanup, with_inbox
 from meshforge.envelope import Envelope
 from meshforge.errors import Unrecoverable
 from meshforge.ops.observability import Metrics
-from meshforge.store import Store, Transaction, open_store
+from meshforge.store import Store, Transaction
 from meshforge.topology.specs import agent_consumer
 from meshforge.transport.connection import Connection
 
-TABLE = "credits"
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'inbox.db'}"
-    else:
-        base: str = request.getfixturevalue("pg_database")
-        url = f"{base}?schema=inbox_{uuid.uuid4().hex[:10]}"
-    opened = open_store(url)
-    with opened.transaction() as tx:
-        tx.execute(f"CREATE TABLE {TABLE} (key TEXT PRIMARY KEY, amount INTEGER NOT NULL)")
-    yield opened
-    opened.close()
-
-
-def credits(store: Store) -> list[tuple[str, int]]:
-    with store.transaction() as tx:
-        return [
-            (r[0], int(r[1])) for r in tx.execute(f"SELECT key, amount FROM {TABLE} ORDER BY key")
-        ]
-
-
-def credit(delivery: Delivery, tx: Transaction) -> None:
-    assert delivery.envelope is not None
-    tx.execute(
-        f"INSERT INTO {TABLE} (key, amount) VALUES (?, ?)",
-        (delivery.envelope.key, delivery.envelope.payload["amount"]),
-    )
-
-
-async def publish(js: JetStreamContext, subject: str, key: str, amount: int) -> Envelope:
-    env = Envelope.new("test.credit", {"amount": amount}, idempotency_key=key)
-    await js.publish(subject, env.encode(), headers=env.headers())
-    return env
-
 
 async def test_the_same_key_is_applied_once_per_consumer(
-    conn: Connection, js: JetStreamContext, store: Store
+    conn: Connection, js: JetStreamContext, inbox_store: Store
 ) -> None:
     s = settings()
     agent, metrics = unique_agent(), Metrics()
     spec = agent_consumer(agent, s)
-    handler = with_inbox(store, spec.durable, credit, metrics=metrics)
+    handler = with_inbox(inbox_store, spec.durable, credit, metrics=metrics)
     consumer = Consumer(conn, spec, handler=handler, settings=s, metrics=metrics)
     async with running(consumer):
         # Three requests, two of them the same request sent again (new id, same key).
@@ -78,19 +37,19 @@ async def test_the_same_key_is_applied_once_per_consumer(
         await publish(js, subject_for(agent), "k1", 10)
         await publish(js, subject_for(agent), "k2", 5)
         await wait_until(lambda: counter_value(metrics.acked, consumer=spec.durable) == 3)
-    assert credits(store) == [("k1", 10), ("k2", 5)]
+    assert credits(inbox_store) == [("k1", 10), ("k2", 5)]
     assert counter_value(metrics.duplicates_skipped, consumer=spec.durable) == 1
-    rows = {r.key: r for r in store.inbox_read(spec.durable)}
+    rows = {r.key: r for r in inbox_store.inbox_read(spec.durable)}
     assert set(rows) == {"k1", "k2"}
     assert rows["k1"].status == "processed" and rows["k1"].processed_at is not None
     assert rows["k1"].subject == subject_for(agent) and rows["k1"].stream_seq
     assert rows["k1"].type == "test.credit" and rows["k1"].attempts == 1
 
     # Another consumer is another inbox: the same key is new to it.
-    other = with_inbox(store, "other_consumer", lambda d, tx: None, metrics=metrics)
+    other = with_inbox(inbox_store, "other_consumer", lambda d, tx: None, metrics=metrics)
     [delivery] = [d for d in _fake_deliveries(rows["k1"].key)]
     assert await other(delivery) is None
-    assert {r.key for r in store.inbox_read("other_consumer")} == {"k1"}
+    assert {r.key for r in inbox_store.inbox_read("other_consumer")} == {"k1"}
 
 
 def _fake_deliveries(key: str) -> list[Delivery]:
@@ -112,37 +71,8 @@ def _fake_deliveries(key: str) -> list[Delivery]:
     ]
 
 
-async def test_a_redelivery_after_commit_is_acked_without_a_second_effect(
-    conn: Connection, js: JetStreamContext, store: Store
-) -> None:
-    """The worker committed but its ack was lost: the redelivery finds the key processed."""
-    s = settings()
-    agent, metrics = unique_agent(), Metrics()
-    spec = agent_consumer(agent, s)
-    runs: list[int] = []
-
-    def counted(delivery: Delivery, tx: Transaction) -> None:
-        runs.append(delivery.num_delivered)
-        credit(delivery, tx)
-
-    async def lose_first_ack(d: Delivery, call_next: Handler) -> Decision | None:
-        result = await call_next(d)
-        return Decision.nak(0) if d.num_delivered == 1 else result
-
-    consumer = Consumer(
-        conn, spec, handler=with_inbox(store, spec.durable, counted, metrics=metrics),
-        settings=s, metrics=metrics, middlewares=[lose_first_ack],
-    )  # fmt: skip
-    async with running(consumer):
-        await publish(js, subject_for(agent), "once", 7)
-        await wait_until(lambda: counter_value(metrics.acked, consumer=spec.durable) == 1)
-    assert runs == [1]
-    assert credits(store) == [("once", 7)]
-    assert counter_value(metrics.duplicates_skipped, consumer=spec.durable) == 1
-
-
 async def test_a_failing_handler_rolls_back_its_writes_and_records_the_failure(
-    conn: Connection, js: JetStreamContext, store: Store
+    conn: Connection, js: JetStreamContext, inbox_store: Store
 ) -> None:
     s = settings(backoff="100ms")
     agent, metrics = unique_agent(), Metrics()
@@ -156,15 +86,15 @@ async def test_a_failing_handler_rolls_back_its_writes_and_records_the_failure(
             raise RuntimeError("database of a partner is down")
 
     consumer = Consumer(
-        conn, spec, handler=with_inbox(store, spec.durable, flaky, metrics=metrics),
+        conn, spec, handler=with_inbox(inbox_store, spec.durable, flaky, metrics=metrics),
         settings=s, metrics=metrics,
     )  # fmt: skip
     async with running(consumer):
         await publish(js, subject_for(agent), "flaky", 3)
         await wait_until(lambda: counter_value(metrics.acked, consumer=spec.durable) == 1)
     assert attempts == [1, 2]
-    assert credits(store) == [("flaky", 3)]
-    [row] = list(store.inbox_read(spec.durable))
+    assert credits(inbox_store) == [("flaky", 3)]
+    [row] = list(inbox_store.inbox_read(spec.durable))
     assert row.status == "processed" and row.attempts == 2  # the failed one was recorded
     assert row.failed_at is not None and row.deliveries == 2
 
@@ -175,7 +105,7 @@ def _status(store: Store, consumer: str, key: str) -> str | None:
 
 
 async def test_unrecoverable_errors_leave_a_failed_row_and_a_dead_letter(
-    conn: Connection, js: JetStreamContext, store: Store
+    conn: Connection, js: JetStreamContext, inbox_store: Store
 ) -> None:
     s = settings()
     agent, metrics = unique_agent(), Metrics()
@@ -186,7 +116,7 @@ async def test_unrecoverable_errors_leave_a_failed_row_and_a_dead_letter(
         raise Unrecoverable("amount out of range")
 
     consumer = Consumer(
-        conn, spec, handler=with_inbox(store, spec.durable, refuse, metrics=metrics),
+        conn, spec, handler=with_inbox(inbox_store, spec.durable, refuse, metrics=metrics),
         settings=s, metrics=metrics,
     )  # fmt: skip
     async with running(consumer):
@@ -197,14 +127,14 @@ async def test_unrecoverable_errors_leave_a_failed_row_and_a_dead_letter(
                 == 1
             )
         )
-    assert credits(store) == []
-    [row] = list(store.inbox_read(spec.durable))
+    assert credits(inbox_store) == []
+    [row] = list(inbox_store.inbox_read(spec.durable))
     assert row.status == "failed" and row.error is not None
     assert "amount out of range" in row.error
 
 
 async def test_async_handlers_get_an_awaitable_transaction(
-    conn: Connection, js: JetStreamContext, store: Store
+    conn: Connection, js: JetStreamContext, inbox_store: Store
 ) -> None:
     s = settings(concurrency=4)
     agent, metrics = unique_agent(), Metrics()
@@ -224,7 +154,7 @@ async def test_async_handlers_get_an_awaitable_transaction(
         return None
 
     consumer = Consumer(
-        conn, spec, handler=with_inbox(store, spec.durable, credit_async, metrics=metrics),
+        conn, spec, handler=with_inbox(inbox_store, spec.durable, credit_async, metrics=metrics),
         settings=s, metrics=metrics,
     )  # fmt: skip
     async with running(consumer):
@@ -233,30 +163,30 @@ async def test_async_handlers_get_an_awaitable_transaction(
         await publish(js, subject_for(agent), "a0", 0)  # the same request again
         await publish(js, subject_for(agent), "neg", -1)
         await wait_until(lambda: counter_value(metrics.acked, consumer=spec.durable) == 8)
-    assert credits(store) == [(f"a{i}", i) for i in range(6)]
+    assert credits(inbox_store) == [(f"a{i}", i) for i in range(6)]
     assert counter_value(metrics.duplicates_skipped, consumer=spec.durable) == 1
     assert counter_value(metrics.dead_lettered, consumer=spec.durable, reason="rejected") == 1
-    assert _status(store, spec.durable, "neg") == "failed"
+    assert _status(inbox_store, spec.durable, "neg") == "failed"
 
 
-async def test_cleanup_removes_finished_rows_past_retention(store: Store) -> None:
-    handler = with_inbox(store, "c", lambda d, tx: None, metrics=Metrics())
+async def test_cleanup_removes_finished_rows_past_retention(inbox_store: Store) -> None:
+    handler = with_inbox(inbox_store, "c", lambda d, tx: None, metrics=Metrics())
     for key in ("old1", "old2"):
         [delivery] = _fake_deliveries(key)
         await handler(delivery)
-    with store.transaction() as tx:  # one still being worked on: never removed
+    with inbox_store.transaction() as tx:  # one still being worked on: never removed
         tx.inbox_begin("busy", "c", message_id=None, type=None, subject=None, stream=None,
                        stream_seq=None, deliveries=1, headers={})  # fmt: skip
-    assert await cleanup_inbox_once(store, retention=3600) == 0  # all recent
-    assert await cleanup_inbox_once(store, retention=0) == 2
-    assert [r.key for r in store.inbox_read("c")] == ["busy"]
+    assert await cleanup_inbox_once(inbox_store, retention=3600) == 0  # all recent
+    assert await cleanup_inbox_once(inbox_store, retention=0) == 2
+    assert [r.key for r in inbox_store.inbox_read("c")] == ["busy"]
 
     import asyncio
 
     stop = asyncio.Event()
     [delivery] = _fake_deliveries("old3")
     await handler(delivery)
-    task = asyncio.create_task(inbox_cleanup(store, 0, interval=0.05, stop=stop))
-    await wait_until(lambda: [r.key for r in store.inbox_read("c")] == ["busy"])
+    task = asyncio.create_task(inbox_cleanup(inbox_store, 0, interval=0.05, stop=stop))
+    await wait_until(lambda: [r.key for r in inbox_store.inbox_read("c")] == ["busy"])
     stop.set()
     await asyncio.wait_for(task, 5)

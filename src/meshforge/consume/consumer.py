@@ -138,6 +138,10 @@ class Consumer:
             raise ConfigError(f"consumer mode: expected 'pull' or 'push', got {mode!r}")
         if batch_handler is not None and mode != "pull":
             raise ConfigError("consumer: a batch handler needs mode='pull'")
+        if batch_handler is not None and middlewares:
+            raise ConfigError(
+                "consumer: middlewares wrap a handler of one delivery; a batch handler runs without them"
+            )
         self._conn = conn
         self.settings = settings if settings is not None else load_settings()
         if isinstance(spec, str):
