@@ -9,7 +9,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import ssl
@@ -32,7 +31,7 @@ from nats.protocol.parser import (
 
 from meshforge.config import Settings, load_settings
 from meshforge.errors import one_line
-from meshforge.transport.credentials import NatsAuth, nats_auth_options, redact_url, ssl_context
+from meshforge.transport.credentials import nats_auth_options, redact_url, ssl_context
 from meshforge.transport.headers import parse_header_lines
 from meshforge.transport.pubacks import PubAckPipe
 from meshforge.transport.retry import attempt_connect, check_inbox, close_bounded, retry_connect
@@ -59,15 +58,6 @@ _HEALTH_TIMEOUT = 2.0
 def tls_context(settings: Settings) -> ssl.SSLContext | None:
     """An SSL context from ``tls_ca`` / ``tls_cert`` + ``tls_key``, or None when none is set."""
     return ssl_context(settings.tls_ca, settings.tls_cert, settings.tls_key)
-
-
-def settings_auth(settings: Settings) -> NatsAuth:
-    """The auth and TLS part of ``settings`` (every ``NatsAuth`` field has its setting)."""
-    return NatsAuth(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(NatsAuth)})
-
-
-def _auth_options(settings: Settings) -> dict[str, Any]:
-    return nats_auth_options(settings_auth(settings))
 
 
 _HDR_LINE = len(b"NATS/1.0")  # a header block's first line; a space after it: a status
@@ -392,7 +382,7 @@ class Connection:
             [u.strip() for u in self.url.split(",")],
             connect_timeout=settings.connect_timeout,
             error_cb=self._on_error,
-            secrets=settings_auth(settings).secrets,
+            secrets=settings.secrets,
             name=self.name,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
@@ -426,7 +416,7 @@ async def connect(
     """
     settings = settings if settings is not None else load_settings()
     target = url or settings.nats_url or DEFAULT_URL
-    options = _auth_options(settings)
+    options = nats_auth_options(settings)
 
     async def once() -> Connection:
         conn = Connection(target, name)
@@ -434,7 +424,7 @@ async def connect(
         return conn
 
     conn = await retry_connect(
-        target, settings.connect_attempts, once, secrets=settings_auth(settings).secrets
+        target, settings.connect_attempts, once, secrets=settings.secrets
     )
     log.info("connected to NATS %s", conn._server())
     return conn
