@@ -32,7 +32,7 @@ from nats.protocol.parser import (
 from meshforge.config import Settings, load_settings
 from meshforge.errors import one_line
 from meshforge.transport.credentials import nats_auth_options, redact_url, ssl_context
-from meshforge.transport.headers import parse_header_lines
+from meshforge.transport.headers import parse_header_block, parse_header_lines
 from meshforge.transport.pubacks import PubAckPipe
 from meshforge.transport.retry import attempt_connect, check_inbox, close_bounded, retry_connect
 
@@ -41,6 +41,7 @@ __all__ = [
     "Connection",
     "close_bounded",
     "connect",
+    "new_client",
     "redact_url",
     "ssl_context",
     "tls_context",
@@ -154,11 +155,10 @@ class _Client(NATS):
     a permissions error. The server drops the socket after most of them (e.g. "Maximum
     Payload Violation"), and a worker wants its connection back: reconnect instead. A
     refused login, and any error while first connecting, still close as before.
-    Headers are parsed by ``meshforge.transport.headers`` (same result, a fraction of the cost).
+    Headers are parsed by ``meshforge.transport.headers`` (nats-py's rules, a fraction of the cost).
     JetStream publishes can take the lean path of ``meshforge.transport.pubacks`` (``pubacks``), and
     a batch's acks one write (``ack_many``)."""
 
-    _parse_header_lines = staticmethod(parse_header_lines)
     _pipe: PubAckPipe | None = None
     _direct: dict[int, Callable[[Msg], None]] | None = None
 
@@ -228,6 +228,9 @@ class _Client(NATS):
         msg = self._build_message(sid, subject, reply, data, await self._process_headers(headers))
         deliver(msg)
 
+    async def _process_headers(self, headers: bytes | None) -> dict[str, str] | None:
+        return parse_header_block(headers)  # MeshForge's one header parser (nats-py's rules)
+
     async def _process_err(self, err_msg: str) -> None:
         text = err_msg.strip().strip("'")
         lowered = text.lower()
@@ -244,6 +247,12 @@ class _Client(NATS):
         if self._error_cb is not None:
             await self._error_cb(err)
         await self._process_op_err(err)
+
+
+def new_client() -> NATS:
+    """A client of MeshForge's class (its parser, its header rules, its way with ``-ERR``), not
+    yet connected, for code that drives a connection of its own (the Spark data source)."""
+    return _Client()
 
 
 class Connection:
