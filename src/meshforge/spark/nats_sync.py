@@ -1,8 +1,10 @@
 """A small synchronous NATS client for Spark tasks and the planner.
 
 Spark calls data-source methods synchronously, on executors as well as on the driver.
-Each call that needs NATS opens its own short-lived nats-py connection inside its own
-asyncio loop: nothing NATS-related is ever pickled or shared between tasks.
+Each ``SyncNats`` opens its own short-lived connection (MeshForge's client class, so its
+headers are read by the runtime's parser) on its own event loop thread (the
+``LoopThread`` bridge ``SyncPublisher`` uses too), each call bounded, the thread joined at
+``close``: nothing NATS-related is ever pickled or shared between tasks.
 
 Example::
 
@@ -13,8 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import json
 import os
 from collections.abc import Coroutine, Mapping
@@ -28,6 +28,8 @@ from nats.js import JetStreamContext
 from meshforge.config import AuthSettings, load_auth, parse_setting
 from meshforge.config.auth import AUTH_FIELDS
 from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology, one_line
+from meshforge.transport.bridge import BridgeClosed, BridgeTimeout, LoopThread
+from meshforge.transport.connection import new_client
 from meshforge.transport.credentials import nats_auth_options, redact_url
 from meshforge.transport.retry import attempt_connect, check_inbox, close_bounded, retry_connect
 
@@ -36,6 +38,10 @@ __all__ = ["ConnOptions", "JetStreamApiError", "StreamInfo", "SyncNats", "lower_
 T = TypeVar("T")
 
 _NOT_FOUND = 10059  # JetStream's "stream not found" error code
+# The longest one call may take (a pull waits 30 s for a stalled server, a window of
+# publishes retries for a while): past it the call is cancelled and fails, never hangs.
+CALL_BOUND = 300.0
+_CLOSE_BOUND = 10.0
 
 
 class JetStreamApiError(ConnectionFailed):
@@ -140,27 +146,29 @@ class StreamInfo:
 
 
 class SyncNats:
-    """One NATS connection driven by a private event loop; use as a context manager."""
+    """One NATS connection driven by a private event loop thread; use as a context manager."""
 
     def __init__(self, conn: ConnOptions) -> None:
         self.conn = conn
-        self._loop = asyncio.new_event_loop()
+        self._bridge = LoopThread("meshforge-spark")
         self._nc: NATS | None = None
-        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         try:
-            self._nc = self.run(self._connect())
+            self._nc = self.run(self._connect(), self._connect_bound)
         except BaseException:
-            self._loop.close()
-            if self._thread is not None:
-                self._thread.shutdown()
+            self._bridge.close(_CLOSE_BOUND)
             raise
+
+    @property
+    def _connect_bound(self) -> float:
+        """How long connecting may take: each attempt (connect, the inbox check) and its backoff."""
+        return self.conn.connect_attempts * (4 * self.conn.connect_timeout + 7.0) + 5.0
 
     async def _connect(self) -> NATS:
         conn = self.conn
         options = conn.auth_kwargs()
 
         async def once() -> NATS:
-            nc = NATS()
+            nc = new_client()
             # no reconnect loop: a broken call fails and the caller reconnects (see reconnect)
             await attempt_connect(
                 nc, list(conn.servers), connect_timeout=conn.connect_timeout,
@@ -191,22 +199,20 @@ class SyncNats:
         """Drop a broken connection and open a new one."""
         nc, self._nc = self._nc, None
         if nc is not None and not nc.is_closed:
-            self.run(close_bounded(nc))
-        self._nc = self.run(self._connect())
+            self.run(close_bounded(nc), _CLOSE_BOUND)
+        self._nc = self.run(self._connect(), self._connect_bound)
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` to completion on this client's loop.
-
-        Called from inside a running event loop (a notebook, an async caller), the
-        private loop is driven from a helper thread instead, as one loop per thread needs.
-        """
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = CALL_BOUND) -> T:
+        """Run ``coro`` on this client's loop thread and wait for it, at most ``timeout`` s
+        (then it is cancelled: ``ConnectionFailed``). Works inside a running loop as well."""
         try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return self._loop.run_until_complete(coro)
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshforge-nats")
-        return self._thread.submit(self._loop.run_until_complete, coro).result()
+            return self._bridge.run(coro, timeout)
+        except BridgeClosed:
+            raise ConnectionFailed("the NATS connection is closed") from None
+        except BridgeTimeout:
+            raise ConnectionFailed(
+                f"NATS at {self.conn.url}: no answer within {timeout:g}s"
+            ) from None
 
     async def api(self, subject: str, payload: Mapping[str, Any] | None = None, wait: float = 5.0) -> dict[str, Any]:
         """A JetStream API request; raises JetStreamApiError on an error answer."""
@@ -277,15 +283,14 @@ class SyncNats:
         return self.run(lookup())
 
     def close(self) -> None:
+        """Close the connection and join the loop's thread; bounded, idempotent."""
         nc, self._nc = self._nc, None
-        try:
+
+        async def last() -> None:
             if nc is not None and not nc.is_closed:
-                self.run(close_bounded(nc))
-        finally:
-            self._loop.close()
-            if self._thread is not None:
-                self._thread.shutdown()
-                self._thread = None
+                await close_bounded(nc)
+
+        self._bridge.close(_CLOSE_BOUND, last=last)
 
     def __enter__(self) -> Self:
         return self
