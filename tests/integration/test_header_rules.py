@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 
-from header_table import HOSTILE
 from nats.aio.msg import Msg
-from polling import wait_until
 
+from header_table import HOSTILE
 from meshforge.spark.fetch import read_range
 from meshforge.spark.nats_sync import ConnOptions, SyncNats
 from meshforge.transport.connection import Connection
+from polling import wait_until
 
 STREAM = "HDRRULES"
 

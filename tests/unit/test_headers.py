@@ -1,12 +1,20 @@
-"""The faster header parser gives exactly what nats-py's own parser gives."""
+"""The one header parser gives exactly what nats-py's own parser gives, to every reader."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nats.aio.client import Client
 
+from header_table import HOSTILE
+from meshforge.spark.fetch import Chunk, _add
 from meshforge.transport import headers
-from meshforge.transport.headers import parse_header_lines
+from meshforge.transport.connection import new_client
+from meshforge.transport.headers import parse_header_block, parse_header_lines
 
 _PIECES = st.sampled_from(
     [b"Nats-Msg-Id", b"traceparent", b":", b": ", b"\r\n", b" ", b"\t", b"\x1c", b"\x0b", b"\xc3\xa9",
@@ -38,17 +46,6 @@ def test_any_header_block_parses_as_nats_py_parses_it(pieces: list[bytes]) -> No
 
 
 # --- one parser for every reader: the runtime's client and the Spark data source ----------
-
-import asyncio  # noqa: E402
-import base64  # noqa: E402
-
-import pytest  # noqa: E402
-from header_table import HOSTILE  # noqa: E402
-from nats.aio.client import Client  # noqa: E402
-
-from meshforge.spark.fetch import Chunk, _add  # noqa: E402
-from meshforge.transport.connection import new_client  # noqa: E402
-from meshforge.transport.headers import parse_header_block  # noqa: E402
 
 
 def spark_reads(block: bytes) -> dict[str, str] | None:
