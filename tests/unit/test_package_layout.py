@@ -22,7 +22,7 @@ PUBLIC = {
 }  # fmt: skip
 
 # The modules that may sit at the package root; everything else lives in a folder.
-AT_ROOT = {"__init__.py", "__main__.py", "config.py", "envelope.py", "errors.py"}
+AT_ROOT = {"__init__.py", "__main__.py", "envelope.py", "errors.py"}
 
 
 def test_every_public_name_is_still_offered_and_resolves() -> None:

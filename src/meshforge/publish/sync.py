@@ -1,12 +1,13 @@
 """``SyncPublisher``: publish from threads and web apps (Django, Flask, any WSGI server).
 
-One background thread runs an event loop with one connection and one ``Publisher``;
-``publish`` hands the message to it and blocks until the PubAck (or the error). Any
-number of threads may call it at once. At most ``max_pending`` messages wait at a time:
-a caller beyond that waits for a slot (up to its timeout), so a stalled server slows
-callers down instead of filling memory. The loop starts on first use; it is closed at
-interpreter exit, and a child process after ``fork`` (gunicorn, uWSGI) starts its own
-loop and connection on its first publish instead of using the parent's.
+One background event loop (``meshforge.transport.bridge.LoopThread``, as the Spark data
+source has) runs one connection and one ``Publisher``; ``publish`` hands the message to
+it and blocks until the PubAck (or the error). Any number of threads may call it at once.
+At most ``max_pending`` messages wait at a time: a caller beyond that waits for a slot (up
+to its timeout), so a stalled server slows callers down instead of filling memory. The
+loop starts on first use; it is closed at interpreter exit, and a child process after
+``fork`` (gunicorn, uWSGI) starts its own loop and connection on its first publish
+instead of using the parent's.
 
 Example::
 
@@ -21,24 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Coroutine, Mapping
-from concurrent.futures import Future
+from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
 from meshforge.config import Settings, load_settings
 from meshforge.envelope import Envelope
 from meshforge.errors import MalformedMessage, PublishError
 from meshforge.publish.publisher import Publisher, PublishResult
+from meshforge.transport.bridge import BridgeClosed, BridgeTimeout, LoopThread
 from meshforge.transport.connection import Connection, connect
 
 __all__ = ["SyncPublisher", "envelope_for"]
 
-T = TypeVar("T")
 _LIVE: weakref.WeakSet[SyncPublisher] = weakref.WeakSet()
 
 
@@ -83,15 +82,11 @@ class SyncPublisher:
         self.max_pending = max_pending
         self.timeout = timeout
         self.name = name
-        self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_pending)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._bridge = LoopThread(name)
         self._conn: Connection | None = None
         self._publisher: Publisher | None = None
         self._connecting: asyncio.Lock | None = None
-        self._closed = False
-        self._pid = os.getpid()
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ public
@@ -120,39 +115,23 @@ class SyncPublisher:
                 retriable=True,
             )
         try:
-            future = self._submit(self._publish(subject, data, headers, msg_id))
-            try:
-                return future.result(limit)
-            except TimeoutError:
-                future.cancel()
-                raise PublishError(
-                    f"publish to {subject!r}: no PubAck within {limit:g}s", kind="timeout", retriable=True
-                ) from None
+            return self._bridge.run(self._publish(subject, data, headers, msg_id), limit)
+        except BridgeClosed:
+            raise PublishError("the SyncPublisher is closed", kind="closed") from None
+        except BridgeTimeout:
+            raise PublishError(
+                f"publish to {subject!r}: no PubAck within {limit:g}s", kind="timeout", retriable=True
+            ) from None
         finally:
             self._slots.release()
 
     def close(self, timeout: float = 10.0) -> None:
         """Close the connection (waiting for what is in flight) and stop the thread. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            loop, thread = self._loop, self._thread
-            self._loop = self._thread = None
-        if loop is None or thread is None or os.getpid() != self._pid:
-            return
-        if thread.is_alive():
-            done = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
-            with contextlib.suppress(Exception):  # closing must not fail: the loop stops anyway
-                done.result(timeout)
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout)
-        if not thread.is_alive():
-            loop.close()
+        self._bridge.close(timeout, last=self._shutdown)
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._bridge.closed
 
     def __enter__(self) -> Self:
         return self
@@ -162,48 +141,14 @@ class SyncPublisher:
     ) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ the loop thread
-    def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        with self._lock:
-            if self._closed:
-                coro.close()
-                raise PublishError("the SyncPublisher is closed", kind="closed")
-            if self._pid != os.getpid():
-                self._forget()  # the parent's thread does not exist here
-            if self._loop is None:
-                self._start()
-            loop = self._loop
-        assert loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, loop)
-
-    def _start(self) -> None:
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            loop.call_soon(ready.set)
-            loop.run_forever()
-
-        thread = threading.Thread(target=run, name=f"{self.name}-loop", daemon=True)
-        thread.start()
-        ready.wait()
-        self._loop, self._thread = loop, thread
-        self._connecting = asyncio.Lock()
-
-    def _forget(self) -> None:
-        """After fork: drop the parent's loop, thread and connection (never touch them)."""
-        self._loop = self._thread = None
-        self._conn = None
-        self._publisher = None
-        self._pid = os.getpid()
-
+    # ------------------------------------------------------------------ on the loop
     async def _publish(
         self, subject: str, data: Envelope | bytes, headers: dict[str, str] | None, msg_id: str | None
     ) -> PublishResult:
         publisher = self._publisher
         if publisher is None:
-            assert self._connecting is not None
+            if self._connecting is None:
+                self._connecting = asyncio.Lock()
             async with self._connecting:  # the first callers share one connection
                 if self._publisher is None:
                     self._conn = await connect(self.settings, url=self.nats_url, name=self.name)
@@ -224,10 +169,10 @@ def _close_all() -> None:
 
 def _after_fork_in_child() -> None:
     for publisher in list(_LIVE):
-        # Another parent thread may have held these at the fork: the child gets fresh ones.
-        publisher._lock = threading.Lock()
+        # Another parent thread may have held a slot at the fork: the child gets fresh ones.
         publisher._slots = threading.BoundedSemaphore(publisher.max_pending)
-        publisher._forget()
+        # The parent's connection lives on the parent's loop (the bridge forgets it too).
+        publisher._conn = publisher._publisher = publisher._connecting = None
 
 
 atexit.register(_close_all)

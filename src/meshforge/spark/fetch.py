@@ -35,6 +35,7 @@ from nats.aio.subscription import Subscription
 
 from meshforge.errors import ConnectionFailed
 from meshforge.spark.nats_sync import JetStreamApiError, SyncNats
+from meshforge.transport.headers import parse_header_block
 
 __all__ = ["Chunk", "read_range"]
 
@@ -227,19 +228,6 @@ def _consumer_range(
 # --- work-queue / interest streams: non-destructive gets ------------------------------
 
 
-def _parse_headers(raw: bytes) -> dict[str, str] | None:
-    """NATS header block ``NATS/1.0\\r\\nKey: Value\\r\\n\\r\\n`` to a dict (last value wins)."""
-    lines = raw.decode("utf-8", "replace").split("\r\n")
-    out: dict[str, str] = {}
-    for line in lines[1:]:
-        if not line:
-            continue
-        key, sep, value = line.partition(":")
-        if sep:
-            out[key.strip()] = value.strip()
-    return out or None
-
-
 def _ts_ns(text: str) -> int:
     """RFC 3339 with nanoseconds to integer nanoseconds since the epoch."""
     body = text.rstrip("Z")
@@ -255,7 +243,7 @@ def _add(chunk: Chunk, message: dict[str, object]) -> None:
     chunk.seqs.append(int(str(message["seq"])))
     chunk.ts_ns.append(_ts_ns(str(message["time"])))
     hdrs = message.get("hdrs")
-    chunk.headers.append(_parse_headers(base64.b64decode(str(hdrs))) if hdrs else None)
+    chunk.headers.append(parse_header_block(base64.b64decode(str(hdrs))) if hdrs else None)
     data = message.get("data")
     chunk.data.append(base64.b64decode(str(data)) if data else b"")
 

@@ -1,8 +1,10 @@
 """A small synchronous NATS client for Spark tasks and the planner.
 
 Spark calls data-source methods synchronously, on executors as well as on the driver.
-Each call that needs NATS opens its own short-lived nats-py connection inside its own
-asyncio loop: nothing NATS-related is ever pickled or shared between tasks.
+Each ``SyncNats`` opens its own short-lived connection (MeshForge's client class, so its
+headers are read by the runtime's parser) on its own event loop thread (the
+``LoopThread`` bridge ``SyncPublisher`` uses too), each call bounded, the thread joined at
+``close``: nothing NATS-related is ever pickled or shared between tasks.
 
 Example::
 
@@ -13,28 +15,22 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import json
 import os
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from meshforge.config import parse_duration
-from meshforge.errors import (
-    ConfigError,
-    ConnectionFailed,
-    InvalidSubject,
-    MissingTopology,
-    one_line,
-)
-from meshforge.topology.subjects import validate_subject
-from meshforge.transport.credentials import NatsAuth, nats_auth_options, redact_url
+from meshforge.config import AuthSettings, load_auth, parse_setting
+from meshforge.config.auth import AUTH_FIELDS
+from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology, one_line
+from meshforge.transport.bridge import BridgeClosed, BridgeTimeout, LoopThread
+from meshforge.transport.connection import new_client
+from meshforge.transport.credentials import nats_auth_options, redact_url
 from meshforge.transport.retry import attempt_connect, check_inbox, close_bounded, retry_connect
 
 __all__ = ["ConnOptions", "JetStreamApiError", "StreamInfo", "SyncNats", "lower_keys"]
@@ -42,6 +38,10 @@ __all__ = ["ConnOptions", "JetStreamApiError", "StreamInfo", "SyncNats", "lower_
 T = TypeVar("T")
 
 _NOT_FOUND = 10059  # JetStream's "stream not found" error code
+# The longest one call may take (a pull waits 30 s for a stalled server, a window of
+# publishes retries for a while): past it the call is cancelled and fails, never hangs.
+CALL_BOUND = 300.0
+_CLOSE_BOUND = 10.0
 
 
 class JetStreamApiError(ConnectionFailed):
@@ -58,46 +58,24 @@ def lower_keys(options: Mapping[str, str]) -> dict[str, str]:
     return {str(k).lower(): v for k, v in options.items()}
 
 
-def _number(options: Mapping[str, str], name: str, default: str, cast: type[float] | type[int]) -> Any:
-    """A positive option value; durations such as ``"2s"`` too, as the settings take them."""
+_PREFIX = "jetstream: "  # how the data source's errors start
+#: The Spark options named otherwise than the settings they are
+_OPTION_NAMES = {"creds_file": "creds"}
+
+
+def _setting(options: Mapping[str, str], name: str, default: str) -> Any:
+    """An option checked as the setting of that name is; its environment variable as fallback."""
     raw = options.get(name) or os.environ.get(f"MESHFORGE_{name.upper()}") or default
-    try:
-        value = parse_duration(raw) if cast is float else int(raw)
-    except (ConfigError, ValueError):
-        value = 0
-    if value <= 0:
-        kind = "a duration > 0 such as 5 or '2s'" if cast is float else "an integer >= 1"
-        raise ConfigError(f"jetstream: option '{name}' must be {kind}, got {raw!r}")
-    return value
+    return parse_setting(name, raw, _PREFIX + name)
 
 
-def _inbox_prefix(raw: str | None) -> str | None:
-    """The ``inbox_prefix`` option checked as the setting is: a subject without wildcards."""
-    if raw is None:
-        return None
-    try:
-        return validate_subject(str(raw).strip())
-    except InvalidSubject:
-        raise ConfigError(
-            f"jetstream: option 'inbox_prefix' must be a subject without wildcards such as _INBOX_acme, got {raw!r}"
-        ) from None
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnOptions(AuthSettings):
+    """How to reach NATS: the data source's connection options, picklable; secrets kept out of repr.
 
-
-@dataclass(frozen=True, slots=True)
-class ConnOptions:
-    """How to reach NATS: the data source's connection options, picklable; secrets kept out of repr."""
+    The auth and TLS fields are ``AuthSettings``' (the option of ``creds_file`` is ``creds``)."""
 
     servers: tuple[str, ...]
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    token: str | None = field(default=None, repr=False)
-    creds: str | None = None
-    nkey_seed: str | None = field(default=None, repr=False)
-    nkey_seed_file: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    inbox_prefix: str | None = None  # None: from the user, as the runtime does
     connect_timeout: float = 5.0
     connect_attempts: int = 3
 
@@ -109,20 +87,14 @@ class ConnOptions:
         if not raw:
             raise ConfigError("jetstream: option 'servers' is required (e.g. nats://127.0.0.1:4222)")
         servers = tuple(s.strip() for s in str(raw).split(",") if s.strip())
+        given: dict[str, object] = {key: options.get(_OPTION_NAMES.get(key, key)) for key in AUTH_FIELDS}
+        given["inbox_prefix"] = given["inbox_prefix"] or os.environ.get("MESHFORGE_INBOX_PREFIX")
+        auth = load_auth(given, prefix=_PREFIX, names=_OPTION_NAMES)
         conn = cls(
             servers=servers,
-            user=options.get("user"),
-            password=options.get("password"),
-            token=options.get("token"),
-            creds=options.get("creds"),
-            nkey_seed=options.get("nkey_seed"),
-            nkey_seed_file=options.get("nkey_seed_file"),
-            tls_ca=options.get("tls_ca"),
-            tls_cert=options.get("tls_cert"),
-            tls_key=options.get("tls_key"),
-            inbox_prefix=_inbox_prefix(options.get("inbox_prefix") or os.environ.get("MESHFORGE_INBOX_PREFIX")),
-            connect_timeout=_number(options, "connect_timeout", "5", float),
-            connect_attempts=_number(options, "connect_attempts", "3", int),
+            **{key: getattr(auth, key) for key in AUTH_FIELDS},
+            connect_timeout=_setting(options, "connect_timeout", "5"),
+            connect_attempts=_setting(options, "connect_attempts", "3"),
         )
         conn.auth_kwargs()  # a missing file or a bad seed fails here, on the driver
         return conn
@@ -141,23 +113,13 @@ class ConnOptions:
         """The servers without credentials, fit for errors."""
         return redact_url(",".join(self.servers))
 
-    @property
-    def secrets(self) -> tuple[str | None, ...]:
-        return (self.password, self.token, self.nkey_seed)
-
     def auth_kwargs(self) -> dict[str, Any]:
         """Auth and TLS keyword arguments for ``nats.connect``; ConfigError on a bad file or seed."""
-        auth = NatsAuth(
-            user=self.user, password=self.password, token=self.token, creds_file=self.creds,
-            nkey_seed=self.nkey_seed, nkey_seed_file=self.nkey_seed_file,
-            tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
-            inbox_prefix=self.inbox_prefix,
-        )  # fmt: skip
         try:
-            return nats_auth_options(auth, label="jetstream")
+            return nats_auth_options(self, label="jetstream")
         except ConfigError as exc:
             message = str(exc)
-            raise ConfigError(message if message.startswith("jetstream") else f"jetstream: {message}") from None
+            raise ConfigError(message if message.startswith(_PREFIX) else _PREFIX + message) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,27 +146,29 @@ class StreamInfo:
 
 
 class SyncNats:
-    """One NATS connection driven by a private event loop; use as a context manager."""
+    """One NATS connection driven by a private event loop thread; use as a context manager."""
 
     def __init__(self, conn: ConnOptions) -> None:
         self.conn = conn
-        self._loop = asyncio.new_event_loop()
+        self._bridge = LoopThread("meshforge-spark")
         self._nc: NATS | None = None
-        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         try:
-            self._nc = self.run(self._connect())
+            self._nc = self.run(self._connect(), self._connect_bound)
         except BaseException:
-            self._loop.close()
-            if self._thread is not None:
-                self._thread.shutdown()
+            self._bridge.close(_CLOSE_BOUND)
             raise
+
+    @property
+    def _connect_bound(self) -> float:
+        """How long connecting may take: each attempt (connect, the inbox check) and its backoff."""
+        return self.conn.connect_attempts * (4 * self.conn.connect_timeout + 7.0) + 5.0
 
     async def _connect(self) -> NATS:
         conn = self.conn
         options = conn.auth_kwargs()
 
         async def once() -> NATS:
-            nc = NATS()
+            nc = new_client()
             # no reconnect loop: a broken call fails and the caller reconnects (see reconnect)
             await attempt_connect(
                 nc, list(conn.servers), connect_timeout=conn.connect_timeout,
@@ -235,22 +199,20 @@ class SyncNats:
         """Drop a broken connection and open a new one."""
         nc, self._nc = self._nc, None
         if nc is not None and not nc.is_closed:
-            self.run(close_bounded(nc))
-        self._nc = self.run(self._connect())
+            self.run(close_bounded(nc), _CLOSE_BOUND)
+        self._nc = self.run(self._connect(), self._connect_bound)
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` to completion on this client's loop.
-
-        Called from inside a running event loop (a notebook, an async caller), the
-        private loop is driven from a helper thread instead, as one loop per thread needs.
-        """
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = CALL_BOUND) -> T:
+        """Run ``coro`` on this client's loop thread and wait for it, at most ``timeout`` s
+        (then it is cancelled: ``ConnectionFailed``). Works inside a running loop as well."""
         try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return self._loop.run_until_complete(coro)
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshforge-nats")
-        return self._thread.submit(self._loop.run_until_complete, coro).result()
+            return self._bridge.run(coro, timeout)
+        except BridgeClosed:
+            raise ConnectionFailed("the NATS connection is closed") from None
+        except BridgeTimeout:
+            raise ConnectionFailed(
+                f"NATS at {self.conn.url}: no answer within {timeout:g}s"
+            ) from None
 
     async def api(self, subject: str, payload: Mapping[str, Any] | None = None, wait: float = 5.0) -> dict[str, Any]:
         """A JetStream API request; raises JetStreamApiError on an error answer."""
@@ -321,15 +283,14 @@ class SyncNats:
         return self.run(lookup())
 
     def close(self) -> None:
+        """Close the connection and join the loop's thread; bounded, idempotent."""
         nc, self._nc = self._nc, None
-        try:
+
+        async def last() -> None:
             if nc is not None and not nc.is_closed:
-                self.run(close_bounded(nc))
-        finally:
-            self._loop.close()
-            if self._thread is not None:
-                self._thread.shutdown()
-                self._thread = None
+                await close_bounded(nc)
+
+        self._bridge.close(_CLOSE_BOUND, last=last)
 
     def __enter__(self) -> Self:
         return self

@@ -156,8 +156,8 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         return state
 
     def _info(self) -> tuple[StreamInfo, SyncNats]:
-        # the loop only runs during calls, so an idle connection may have been dropped
-        # by the server's pings: reconnect after a pause, and once more on failure
+        # between micro-batches the server may have gone and come back (the client does
+        # not reconnect by itself): renew after a pause, and once more on failure
         if self._client is not None and (not self._client.connected or time.monotonic() - self._used > _IDLE):
             self._client.close()
             self._client = None

@@ -9,7 +9,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import ssl
@@ -32,8 +31,8 @@ from nats.protocol.parser import (
 
 from meshforge.config import Settings, load_settings
 from meshforge.errors import one_line
-from meshforge.transport.credentials import NatsAuth, nats_auth_options, redact_url, ssl_context
-from meshforge.transport.headers import parse_header_lines
+from meshforge.transport.credentials import nats_auth_options, redact_url, ssl_context
+from meshforge.transport.headers import parse_header_block, parse_header_lines
 from meshforge.transport.pubacks import PubAckPipe
 from meshforge.transport.retry import attempt_connect, check_inbox, close_bounded, retry_connect
 
@@ -42,6 +41,7 @@ __all__ = [
     "Connection",
     "close_bounded",
     "connect",
+    "new_client",
     "redact_url",
     "ssl_context",
     "tls_context",
@@ -59,15 +59,6 @@ _HEALTH_TIMEOUT = 2.0
 def tls_context(settings: Settings) -> ssl.SSLContext | None:
     """An SSL context from ``tls_ca`` / ``tls_cert`` + ``tls_key``, or None when none is set."""
     return ssl_context(settings.tls_ca, settings.tls_cert, settings.tls_key)
-
-
-def settings_auth(settings: Settings) -> NatsAuth:
-    """The auth and TLS part of ``settings`` (every ``NatsAuth`` field has its setting)."""
-    return NatsAuth(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(NatsAuth)})
-
-
-def _auth_options(settings: Settings) -> dict[str, Any]:
-    return nats_auth_options(settings_auth(settings))
 
 
 _HDR_LINE = len(b"NATS/1.0")  # a header block's first line; a space after it: a status
@@ -164,11 +155,10 @@ class _Client(NATS):
     a permissions error. The server drops the socket after most of them (e.g. "Maximum
     Payload Violation"), and a worker wants its connection back: reconnect instead. A
     refused login, and any error while first connecting, still close as before.
-    Headers are parsed by ``meshforge.transport.headers`` (same result, a fraction of the cost).
+    Headers are parsed by ``meshforge.transport.headers`` (nats-py's rules, a fraction of the cost).
     JetStream publishes can take the lean path of ``meshforge.transport.pubacks`` (``pubacks``), and
     a batch's acks one write (``ack_many``)."""
 
-    _parse_header_lines = staticmethod(parse_header_lines)
     _pipe: PubAckPipe | None = None
     _direct: dict[int, Callable[[Msg], None]] | None = None
 
@@ -238,6 +228,9 @@ class _Client(NATS):
         msg = self._build_message(sid, subject, reply, data, await self._process_headers(headers))
         deliver(msg)
 
+    async def _process_headers(self, headers: bytes | None) -> dict[str, str] | None:
+        return parse_header_block(headers)  # MeshForge's one header parser (nats-py's rules)
+
     async def _process_err(self, err_msg: str) -> None:
         text = err_msg.strip().strip("'")
         lowered = text.lower()
@@ -254,6 +247,12 @@ class _Client(NATS):
         if self._error_cb is not None:
             await self._error_cb(err)
         await self._process_op_err(err)
+
+
+def new_client() -> NATS:
+    """A client of MeshForge's class (its parser, its header rules, its way with ``-ERR``), not
+    yet connected, for code that drives a connection of its own (the Spark data source)."""
+    return _Client()
 
 
 class Connection:
@@ -392,7 +391,7 @@ class Connection:
             [u.strip() for u in self.url.split(",")],
             connect_timeout=settings.connect_timeout,
             error_cb=self._on_error,
-            secrets=settings_auth(settings).secrets,
+            secrets=settings.secrets,
             name=self.name,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
@@ -426,7 +425,7 @@ async def connect(
     """
     settings = settings if settings is not None else load_settings()
     target = url or settings.nats_url or DEFAULT_URL
-    options = _auth_options(settings)
+    options = nats_auth_options(settings)
 
     async def once() -> Connection:
         conn = Connection(target, name)
@@ -434,7 +433,7 @@ async def connect(
         return conn
 
     conn = await retry_connect(
-        target, settings.connect_attempts, once, secrets=settings_auth(settings).secrets
+        target, settings.connect_attempts, once, secrets=settings.secrets
     )
     log.info("connected to NATS %s", conn._server())
     return conn

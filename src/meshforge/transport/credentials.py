@@ -1,30 +1,29 @@
 """Auth and TLS options for nats-py, and keeping secrets out of everything printed.
 
-One place turns user/password, token, NKey seed, credentials file and TLS paths into
-``nats.connect`` keyword arguments, for the runtime (``connection.py``) and the Spark
-client (``spark/nats_sync.py``) alike. Secrets never appear in an error from here:
-a bad seed or URL is described, not echoed.
+One place turns ``AuthSettings`` (``meshforge.config.auth``: user/password, token, NKey
+seed, credentials file, TLS paths) into ``nats.connect`` keyword arguments, for the
+runtime (``connection.py``, from ``Settings``) and the Spark client (``spark/nats_sync.py``,
+from its ``ConnOptions``) alike. Secrets never appear in an error from here: a bad seed
+or URL is described, not echoed.
 
 Example::
 
-    options = nats_auth_options(NatsAuth(token="s3cret", tls_ca="ca.pem"))
+    options = nats_auth_options(AuthSettings(token="s3cret", tls_ca="ca.pem"))
     await nats.connect("tls://127.0.0.1:4222", **options)
 """
 
 from __future__ import annotations
 
-import base64
 import os
 import re
 import ssl
-from dataclasses import dataclass, field
 from typing import Any
 
+from meshforge.config.auth import HIDDEN, AuthSettings, check_nkey_seed, redact_url
 from meshforge.errors import ConfigError, one_line
 
 __all__ = [
     "DEFAULT_INBOX_PREFIX",
-    "NatsAuth",
     "check_creds_file",
     "check_nkey_seed",
     "hide_secrets",
@@ -35,24 +34,12 @@ __all__ = [
     "user_inbox_prefix",
 ]
 
-HIDDEN = "***"
-# scheme://anything@ ... : everything up to the last "@" of a server is its user info
-_USERINFO = re.compile(r"^(\s*(?:[A-Za-z][A-Za-z0-9+.\-]*://)?).*@")
 _SEED = re.compile(r"S[A-Z][A-Z2-7]{40,}")
 # nats-py's own; a client using it shares its replies with every user granted _INBOX.>
 DEFAULT_INBOX_PREFIX = "_INBOX"
 _NOT_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
 # user:password@ of a server URL (a lone user@ is a token: never put it in a subject)
 _URL_USER = re.compile(r"^\s*(?:[A-Za-z][A-Za-z0-9+.\-]*://)?([^:@/]+):[^@/]*@")
-
-
-def redact_url(url: str) -> str:
-    """The URL(s) without user name, password or token, fit for logs and errors.
-
-    >>> redact_url("nats://alice:secret@host:4222,nats://h2:2")
-    'nats://***@host:4222,nats://h2:2'
-    """
-    return ",".join(_USERINFO.sub(rf"\g<1>{HIDDEN}@", part).strip() for part in url.split(","))
 
 
 def user_inbox_prefix(user: str | None) -> str:
@@ -87,26 +74,6 @@ def hide_secrets(text: str, secrets: tuple[str | None, ...] = ()) -> str:
     return _SEED.sub(HIDDEN, text)
 
 
-def check_nkey_seed(seed: str, label: str = "nkey_seed") -> str:
-    """The seed stripped, if it is an NKey user seed (``SU...``); never echoes it."""
-    import nkeys
-
-    value = seed.strip()
-    try:
-        prefix, _raw = nkeys.decode_seed(bytearray(value.encode()))
-        # nkeys does not check the seed's CRC: a mistyped seed would only fail at login
-        decoded = base64.b32decode(value + "=" * (-len(value) % 8))
-        intact = bytes(nkeys.crc16_checksum(decoded[:-2])) == decoded[-2:]
-    except Exception:  # nkeys raises its own error kinds (and binascii's) on any bad seed
-        prefix, intact = None, False
-    if prefix != nkeys.PREFIX_BYTE_USER or not intact:
-        raise ConfigError(
-            f"{label}: expected an NKey user seed (58 characters starting with SU), "
-            f"got a value of {len(value)} characters that is not one (not shown)"
-        )
-    return value
-
-
 def check_creds_file(path: str, label: str = "creds_file") -> None:
     """A readable credentials file holding a user JWT and an NKey user seed.
 
@@ -134,27 +101,6 @@ def check_creds_file(path: str, label: str = "creds_file") -> None:
     check_nkey_seed(blocks["USER NKEY SEED"], f"{label} {path!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class NatsAuth:
-    """How a client proves who it is and whom it trusts; secrets are left out of repr."""
-
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    token: str | None = field(default=None, repr=False)
-    creds_file: str | None = None
-    nkey_seed: str | None = field(default=None, repr=False)
-    nkey_seed_file: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    inbox_prefix: str | None = None  # None: from the user (user_inbox_prefix)
-
-    @property
-    def secrets(self) -> tuple[str | None, ...]:
-        """The values that must never be printed."""
-        return (self.password, self.token, self.nkey_seed)
-
-
 def _readable(name: str, path: str | None) -> None:
     if path is not None and not os.path.isfile(path):
         raise ConfigError(f"{name}: expected a readable file, got {path!r}")
@@ -177,7 +123,7 @@ def ssl_context(
     return context
 
 
-def nats_auth_options(auth: NatsAuth, *, label: str = "tls") -> dict[str, Any]:
+def nats_auth_options(auth: AuthSettings, *, label: str = "tls") -> dict[str, Any]:
     """``nats.connect`` keyword arguments for ``auth``; ConfigError on a missing file or bad seed.
 
     Replies (JetStream API answers, PubAcks, pulled messages) come to ``inbox_prefix``:

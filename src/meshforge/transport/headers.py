@@ -1,24 +1,39 @@
-"""A faster NATS header parser for nats-py, with the very same results.
+"""MeshForge's one NATS header parser: nats-py's rules, faster.
 
 nats-py parses every received message's header block in ``Client._parse_header_lines``
 and checks each header name for whitespace with a generator over its characters: about
 80 Python-level calls per MeshForge message, the largest single cost of receiving one.
 ``parse_header_lines`` gives the same dict (same skipped lines, same decoding) with one
 ``str.split`` per name instead (and for a block of printable ASCII, the usual one, one decode
-for the whole block); MeshForge's client class (``meshforge.transport.connection``) uses it.
+for the whole block). ``parse_header_block`` reads a whole block, its ``NATS/1.0`` line and
+an inline status (``NATS/1.0 404 No Messages``: ``Status`` and ``Description``) included,
+as nats-py's ``Client._process_headers`` does, but never raises.
+
+Every reader uses them: MeshForge's client class (``meshforge.transport.connection``) for
+what it receives, the Spark data source for the stored blocks ``STREAM.MSG.GET`` returns.
+The rules, for every reader alike: a line without ``:`` or a name holding whitespace or
+a byte that is not ASCII is skipped; a repeated name keeps its last value; names keep
+their case; names and values are stripped of whitespace; a value is UTF-8 (a bad byte
+becomes U+FFFD); a block of any size is read whole (the server bounds it); a block with
+no header at all is ``None`` (where nats-py gives ``{}`` for a status line holding nothing).
 
 Example::
 
     parse_header_lines(b"Nats-Msg-Id: m-1\\r\\nBad Name: x\\r\\n")   # {'Nats-Msg-Id': 'm-1'}
+    parse_header_block(b"NATS/1.0 408 Request Timeout\\r\\n\\r\\n")
+    # {'Status': '408', 'Description': 'Request Timeout'}
 """
 
 from __future__ import annotations
 
 from nats.aio.client import Client
 
-__all__ = ["parse_header_lines"]
+__all__ = ["parse_header_block", "parse_header_lines"]
 
 _CRLF = b"\r\n"
+_HDR_LINE = len(b"NATS/1.0")  # a block's first line; a space after it: an inline status
+_STATUS = 3  # a status is three digits: 100, 404, 408, 503...
+_SPACE = ord(" ")
 # nats-py's own parser, kept for comparison (the tests check both agree).
 _NATS_PARSER = Client.__dict__.get("_parse_header_lines")
 
@@ -60,3 +75,31 @@ def _parse_any(raw: bytes) -> dict[str, str]:
             continue
         out[key] = value.strip().decode("utf-8", "replace")
     return out
+
+
+def parse_header_block(block: bytes | None) -> dict[str, str] | None:
+    """A whole header block (``NATS/1.0[ status[ description]]\\r\\nName: Value\\r\\n...``)
+    to a dict, as nats-py's ``_process_headers`` gives it; ``None`` when it holds nothing."""
+    if not block or len(block) <= _HDR_LINE:
+        return None
+    out: dict[str, str] = {}
+    rest = block[_HDR_LINE:]
+    if rest[0] == _SPACE:  # an inline status, maybe a description, maybe headers after them
+        line = block[_HDR_LINE + 1 :]
+        status = line[:_STATUS].strip().decode("utf-8", "replace")
+        if status.isdigit():
+            out["Status"] = status
+        desc = line[_STATUS + 1 : len(line) - 2 * len(_CRLF)]
+        if desc:
+            end = desc.find(_CRLF)
+            if end > 0:
+                out["Description"] = desc[:end].decode("utf-8", "replace")
+                out.update(parse_header_lines(desc[end + len(_CRLF) :]))
+            else:
+                out["Description"] = desc.decode("utf-8", "replace")
+        rest = rest[rest.find(_CRLF) + len(_CRLF) :]
+    if len(rest) > len(_CRLF):
+        # nats-py reads the lines from just after "NATS/1.0\r\n" (a status line's tail
+        # has a space in its name, so it is skipped as any such line is)
+        out.update(parse_header_lines(block[_HDR_LINE + len(_CRLF) :]))
+    return out or None

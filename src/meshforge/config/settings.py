@@ -30,16 +30,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from meshforge.config.auth import AUTH_FIELDS, AuthSettings, check_nkey_seed, redact_url
 from meshforge.errors import ConfigError
-from meshforge.transport.credentials import redact_url
 
 __all__ = [
     "ENV_PREFIX",
     "SECRET_SETTINGS",
     "Settings",
+    "load_auth",
     "load_settings",
     "parse_backoff",
     "parse_duration",
+    "parse_setting",
     "redelivery_span",
 ]
 
@@ -54,21 +56,14 @@ _URL_SETTINGS = frozenset({"nats_url", "store_url"})
 
 
 @dataclass(frozen=True, slots=True)
-class Settings:
-    """Every knob of MeshForge; build it with ``load_settings`` so values are validated."""
+class Settings(AuthSettings):
+    """Every knob of MeshForge; build it with ``load_settings`` so values are validated.
+
+    The auth and TLS settings (``user`` ... ``tls_key``, ``inbox_prefix``) are
+    ``AuthSettings``' own, declared there once."""
 
     nats_url: str | None = None
     store_url: str = "sqlite:///.meshforge/store.db"
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    token: str | None = field(default=None, repr=False)
-    creds_file: str | None = None
-    nkey_seed: str | None = field(default=None, repr=False)
-    nkey_seed_file: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    inbox_prefix: str | None = None  # None: _INBOX_<user> (see credentials.user_inbox_prefix)
     connect_timeout: float = 5.0
     connect_attempts: int = 10
     max_deliver: int = 5
@@ -271,20 +266,17 @@ def _subject_token(value: object) -> str:
     raise _Bad("1 to 64 characters of A-Z a-z 0-9 _ -")
 
 
-def _inbox_prefix(value: object) -> str:
-    from meshforge.errors import InvalidSubject
-    from meshforge.topology.subjects import validate_subject
+_MAX_SUBJECT = 255  # CONTRACT.md: a subject is at most 255 characters of such tokens
 
+
+def _inbox_prefix(value: object) -> str:
     text = _text(value)
-    try:
-        return validate_subject(text)
-    except InvalidSubject:
-        raise _Bad("a subject without wildcards, such as _INBOX_acme") from None
+    if len(text) <= _MAX_SUBJECT and all(_TOKEN.fullmatch(t) for t in text.split(".")):
+        return text
+    raise _Bad("a subject without wildcards, such as _INBOX_acme")
 
 
 def _nkey_seed(value: object) -> str:
-    from meshforge.transport.credentials import check_nkey_seed
-
     text = _text(value)
     try:
         return check_nkey_seed(text)
@@ -463,6 +455,44 @@ def _parse(key: str, raw: object, label: str) -> object:
     return _parse_with(_PARSERS[key], raw, label, key)
 
 
+def parse_setting(key: str, raw: object, label: str | None = None) -> Any:
+    """One setting's value checked as ``load_settings`` checks it; ConfigError names ``label``.
+
+    >>> parse_setting("connect_timeout", "2s")
+    2.0
+    """
+    if key not in _PARSERS:
+        raise ConfigError(f"unknown setting {key!r}; known settings: {', '.join(_PARSERS)}")
+    return _parse(key, raw, label or key)
+
+
+def load_auth(
+    values: Mapping[str, object], *, prefix: str = "", names: Mapping[str, str] | None = None
+) -> AuthSettings:
+    """``AuthSettings`` from raw values by setting name, checked as ``load_settings`` checks
+    them (each value, and the rules that tie them together); ``None`` or blank is unset.
+
+    Errors start with ``prefix`` and call a setting by its name in ``names``, if there
+    (the Spark options say ``jetstream: creds``).
+
+    >>> load_auth({"user": " alice ", "password": "pw", "tls_ca": ""}).user
+    'alice'
+    """
+    name = _namer(names)
+    parsed: dict[str, Any] = {}
+    for key in AUTH_FIELDS:
+        raw = values.get(key)
+        if raw is not None and not (isinstance(raw, str) and not raw.strip()):
+            parsed[key] = _parse(key, raw, prefix + name(key))
+    auth = AuthSettings(**parsed)
+    _check_auth(auth, prefix, name)
+    return auth
+
+
+def _namer(names: Mapping[str, str] | None) -> Callable[[str], str]:
+    return (lambda key: names.get(key, key)) if names else str
+
+
 def redelivery_span(s: Settings) -> float:
     """The longest a command can keep being redelivered: every ack wait plus every backoff."""
     delays = list(s.backoff[: max(0, s.max_deliver - 1)])
@@ -488,16 +518,25 @@ def _check_together(s: Settings) -> None:
             f"publish_backoff_cap: expected at least publish_backoff_base "
             f"({s.publish_backoff_base:g}s), got {s.publish_backoff_cap:g}s"
         )
+    _check_auth(s, "", str)
+
+
+def _check_auth(s: AuthSettings, prefix: str, name: Callable[[str], str]) -> None:
+    """The auth and TLS settings that go together (or not at all)."""
     if (s.tls_cert is None) != (s.tls_key is None):
         missing = "tls_key" if s.tls_key is None else "tls_cert"
         raise ConfigError(
-            f"{missing}: expected a file path (tls_cert and tls_key go together), got None"
+            f"{prefix}{name(missing)}: expected a file path "
+            f"({name('tls_cert')} and {name('tls_key')} go together), got None"
         )
-    given = [n for n in ("creds_file", "nkey_seed", "nkey_seed_file") if getattr(s, n) is not None]
+    keys = ("creds_file", "nkey_seed", "nkey_seed_file")
+    given = [n for n in keys if getattr(s, n) is not None]
     if len(given) > 1:
         raise ConfigError(
-            f"{given[1]}: expected only one of creds_file, nkey_seed, nkey_seed_file, "
-            f"got {given[0]} as well"
+            f"{prefix}{name(given[1])}: expected only one of {', '.join(map(name, keys))}, "
+            f"got {name(given[0])} as well"
         )
     if s.password is not None and s.user is None:
-        raise ConfigError("user: expected a user name when password is set, got None")
+        raise ConfigError(
+            f"{prefix}{name('user')}: expected a user name when {name('password')} is set, got None"
+        )
