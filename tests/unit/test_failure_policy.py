@@ -209,7 +209,10 @@ def test_properties(policy: FailurePolicy, outcome: Outcome) -> None:
     if decision.action is Action.DEAD_LETTER:
         assert decision.reason in REASONS
         assert decision.error
-    transient = isinstance(outcome.error, StoreError) and (outcome.error.retriable or outcome.error.kind == "unavailable")
+    # "invalid" is data the store can never hold, whatever retriable says: never transient
+    transient = isinstance(outcome.error, StoreError) and outcome.error.kind != "invalid" and (
+        outcome.error.retriable or outcome.error.kind == "unavailable"
+    )
     if outcome.cause is Cause.STORE and transient:
         assert decision.action is not Action.DEAD_LETTER
     if outcome.cause in (Cause.HELD, Cause.FORWARD, Cause.STOP_FAILED, Cause.DEAD_LETTER):
