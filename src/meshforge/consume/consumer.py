@@ -57,6 +57,7 @@ from meshforge.consume.push import ensure_push_consumer
 from meshforge.consume.work import Limits, Processor, Workers
 from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology, TopologyError, one_line
 from meshforge.ops.observability import Metrics
+from meshforge.transport.headers import server_status
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -432,7 +433,7 @@ class Consumer:
         await self._stop.wait()
 
     async def _on_push(self, msg: Msg) -> None:
-        if (msg.headers or {}).get("Status"):
+        if server_status(msg):
             if msg.reply:  # flow control asks for an empty reply
                 await self._conn.nc.publish(msg.reply)
             return

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from meshforge.ops.faults import crash_point
+from meshforge.transport.headers import server_status
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
@@ -44,7 +45,6 @@ log = logging.getLogger("meshforge.consumer")
 
 Outcome = Literal["messages", "empty", "silent", "error", "stopped"]
 
-_STATUS = "Status"
 _DESCRIPTION = "Description"
 _PIN = "Nats-Pin-Id"
 _HEARTBEAT = "100"
@@ -224,8 +224,7 @@ class PullSource:
                 if stop is not None and stop.is_set():
                     return self._gave_up(reply, n, got)
                 continue
-            headers = msg.headers
-            status = headers.get(_STATUS) if headers else None
+            status = server_status(msg)
             if not status:
                 got.append(msg)
                 heard = True
@@ -292,7 +291,7 @@ class PullSource:
         items = self._box.items
         while items:
             msg = items.popleft()
-            if msg is not None and not (msg.headers or {}).get(_STATUS):
+            if msg is not None and not server_status(msg):
                 messages.append(msg)
         return messages
 

@@ -26,9 +26,14 @@ Example::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from nats.aio.client import Client
 
-__all__ = ["parse_header_block", "parse_header_lines"]
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+
+__all__ = ["parse_header_block", "parse_header_lines", "server_status"]
 
 _CRLF = b"\r\n"
 _HDR_LINE = len(b"NATS/1.0")  # a block's first line; a space after it: an inline status
@@ -103,3 +108,21 @@ def parse_header_block(block: bytes | None) -> dict[str, str] | None:
         # has a space in its name, so it is skipped as any such line is)
         out.update(parse_header_lines(block[_HDR_LINE + len(_CRLF) :]))
     return out or None
+
+
+def server_status(msg: Msg) -> str | None:
+    """The ``Status`` of a message the server sent of its own accord (a pull request's end
+    or heartbeat: no reply subject; a push consumer's flow control: a ``$JS.FC.`` reply);
+    None for a stored message, whose reply is its ack subject, whatever headers its
+    publisher gave it (a ``Status`` of its own is data).
+
+    >>> from nats.aio.msg import Msg
+    >>> server_status(Msg(None, "_INBOX.x", "", b"", {"Status": "404"}))
+    '404'
+    >>> server_status(Msg(None, "cmd.x", "$JS.ACK.S.d.1.1.1.1.0", b"", {"Status": "404"})) is None
+    True
+    """
+    headers = msg.headers
+    if not headers or msg.reply.startswith("$JS.ACK."):
+        return None
+    return headers.get("Status")

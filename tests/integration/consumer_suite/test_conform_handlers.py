@@ -102,6 +102,28 @@ async def test_decode_false_hands_raw_bytes_and_headers(
 
 
 @each_variant()
+async def test_a_stored_message_with_a_status_header_of_its_own_is_handled(
+    variant: Variant, conn: Connection, js: JetStreamContext
+) -> None:
+    """A ``Status`` header a publisher set is data, not the server's status of a pull
+    request (those come without a reply subject): it is handed out and acked, once."""
+    c = Case.new()
+    seen: list[Delivery] = []
+
+    async def behave(d: Delivery) -> None:
+        seen.append(d)
+
+    consumer = variant.consumer(conn, c, behave, decode=False)
+    async with running(consumer):
+        for status in ("404", "408", "100", "409"):
+            await js.publish(c.subject, status.encode(), headers={"Status": status, "Description": "x"})
+        await wait_until(lambda: len(seen) == 4)
+        await wait_until(lambda: c.count("acked") == 4)
+    assert sorted(d.data for d in seen) == [b"100", b"404", b"408", b"409"]
+    assert {d.num_delivered for d in seen} == {1}
+
+
+@each_variant()
 async def test_the_inbox_acks_a_redelivery_after_commit_without_a_second_effect(
     variant: Variant, conn: Connection, js: JetStreamContext, inbox_store: Store
 ) -> None:
