@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.js import JetStreamContext
@@ -306,6 +307,37 @@ async def test_publish_many_ten_thousand_bounded(
     again = await pub.publish_many(items[:100])
     assert all(r.duplicate for r in again)
     assert [r.seq for r in again] == seqs[:100]
+
+
+async def test_publish_many_on_stock_nats_py_never_waits_in_its_pending_limit(
+    js: JetStreamContext,
+) -> None:
+    """With nats-py's own pending limit as large as the window (the caller sized both
+    alike), a full window waits for a quarter of it to come back, lets nats-py count those
+    PubAcks in, and sends the next messages together: none waits in nats-py's limit (a
+    wait there is a PubAck, a wake-up and a write of its own for every message)."""
+    await ensure(js, default_streams(settings()), [])
+    subject = f"evt.pubtest.t{uuid.uuid4().hex[:8]}.order.created"
+    window, total = 64, 3_000
+    stock = js._nc.jetstream(publish_async_max_pending=window)
+    send = stock.publish_async
+    sent = blocked = 0
+
+    async def watched(*args: Any, **kwargs: Any) -> Any:
+        nonlocal sent, blocked
+        sent += 1
+        blocked += stock.publish_async_pending() >= window  # it would wait for a place
+        return await send(*args, **kwargs)
+
+    stock.publish_async = watched  # type: ignore[method-assign]
+    items = [Outbound.of(subject, Envelope.new("order.created", {"n": i})) for i in range(total)]
+    try:
+        results = await Publisher(stock, settings(), Metrics()).publish_many(items, max_in_flight=window)
+    finally:
+        await js.purge_stream(STREAM_EVENTS, subject=subject)
+    seqs = [r.seq for r in results]
+    assert sent == total and seqs == sorted(seqs) and len(set(seqs)) == total
+    assert blocked == 0, f"{blocked} of {total} messages waited in nats-py's pending limit"
 
 
 async def test_publish_many_reports_the_first_failure(

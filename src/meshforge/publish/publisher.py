@@ -409,9 +409,10 @@ class Publisher:
     ) -> list[PubAck | BaseException]:
         """Send every item in order with at most ``max_in_flight`` PubAcks outstanding.
 
-        Before sending message ``i`` it waits for message ``i - max_in_flight``: PubAcks
-        come back in order, so this costs nothing until the window is full, and there is
-        no semaphore, timer or callback per message. One watchdog fails a PubAck not back
+        Message ``i`` leaves once message ``i - max_in_flight`` is answered; when it is
+        not, the window waits for the first quarter of itself: PubAcks come back in order,
+        so this costs nothing until the window is full, and there is no semaphore, timer
+        or callback per message. One watchdog fails a PubAck not back
         ``publish_timeout`` after its message left as a timeout. On a MeshForge connection
         the window goes through its lean path instead (``meshforge.transport.pubacks``).
         """
@@ -426,13 +427,19 @@ class Publisher:
         watch = _Watchdog(self.settings.publish_timeout)
         futures, sent_at = watch.futures, watch.sent_at
         refused: dict[int, BaseException] = {}
+        # A full window waits for a quarter of it to come back, not for one PubAck, then
+        # lets nats-py's own callbacks free those places in its pending count: the messages
+        # it then sends leave in one write. (Sent at once, its count would still be full,
+        # and each message would wait in it for a PubAck and a write of its own.)
+        drain = max(1, max_in_flight // 4)
         stamp = clock()
         try:
             for index, item in enumerate(items):
                 if index >= max_in_flight:
                     oldest = futures[index - max_in_flight]
                     if oldest is not None and not oldest.done():
-                        await _settled(oldest)
+                        await _settled(futures[index - max_in_flight + drain - 1] or oldest)
+                        await asyncio.sleep(0)
                         stamp = clock()
                 if not index & 63:
                     stamp = clock()  # a clock read per 64 messages is close enough
