@@ -39,14 +39,21 @@ async def test_a_busy_worker_logs_a_rate_summary_not_a_line_per_command(
                     seen[what.split("-")[0]] += int(number)
             return seen
 
-        await wait_until(lambda: counted() == {"ok": 301, "duplicate": 1, "dead": 3}, timeout=30, what=f"summaries adding up, got {counted()}")
+        def added_up() -> bool:
+            # A redelivery (the test's first ack wait is 50 ms: a loaded machine can miss
+            # it) is one more duplicate, never one more ok.
+            seen = counted()
+            return seen["ok"] == 301 and seen["dead"] == 3 and seen["duplicate"] >= 1
+
+        await wait_until(added_up, timeout=30, what="summaries adding up")
+        assert counted()["ok"] == 301, counted()
     elapsed = time.monotonic() - started
     lines = [r for r in caplog.records if r.name == "meshforge.activity"]
     assert 1 <= len(lines) <= elapsed + 1
     assert all(b.created - a.created >= 0.9 for a, b in itertools.pairwise(lines))
     text = " ".join(r.getMessage() for r in lines)
     assert re.search(r"handled \d+ command\(s\) in \d+\.\ds \(\d+/s\): inventory ", text), text
-    assert "unrecoverable)" in text and "1 duplicate" in text
+    assert "unrecoverable)" in text and re.search(r"\d+ duplicate", text), text
 
 
 def test_the_summary_says_what_changed_and_nothing_when_nothing_did() -> None:
