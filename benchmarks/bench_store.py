@@ -12,19 +12,32 @@ database made for the run and dropped after.
 F4 (PostgreSQL >= 0.8x SQLite) is the agent's floor, measured by ``bench_agent.py``; this
 script prints the store path's ratio beside it as a diagnostic.
 
+``--stage`` measures instead the CPU the agent's store side spends a command, with no
+server: the engine's store stage (``Engine._run_here``: BEGIN, read the states and
+effects, run the handlers, build the outputs, store it all, COMMIT) over groups of
+synthetic commands already decoded, of the size a backlog gives (``4 x batch_size``, 256),
+the previous group's keys marked published in each, on a SQLite store with
+``synchronous=full`` as the agent runs it. It prints the stage thread's CPU a command
+(``time.thread_time``) and the whole process's (``time.process_time``: with SQLite's
+checkpoint thread), the median of ``--rounds`` rounds, each on a fresh store.
+
     python benchmarks/bench_store.py [--batches 100] [--rounds 3] [--quick]
+    python benchmarks/bench_store.py --stage [--groups 40] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -33,8 +46,15 @@ from _common import BODY_SIZE, console, machine
 from _floors import floor
 from rich.table import Table
 
+from meshforge.config import Settings
+from meshforge.consume.decisions import Delivery
+from meshforge.envelope import Outbound, decode
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
+from meshforge.runtime.effects import Work
+from meshforge.runtime.engine import Engine
 from meshforge.store import NewEffect, NewEvent, NewState, Store, StoredOutput, open_store
-from meshforge.topology.scope import DEFAULT_SCOPE
+from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
 BATCH = 64
 RESOURCES = 1000
@@ -147,11 +167,87 @@ def main(batches: int, rounds: int, pg_admin: str) -> None:
           met=None, note=f"diagnostic; single-row methods {ratio['by row']:.2f}x; the floor is bench_agent.py's")  # fmt: skip
 
 
+STAGE_SUBJECT = "cmd.default.bench.echo.work"
+
+
+def _stage_group(engine: Engine[Any], first: int, size: int) -> list[Work]:
+    """``size`` commands as the consumer hands them over: decoded, admitted, in stream order."""
+    from _variants import command_body
+
+    blob = "x" * BODY_SIZE
+    stamp = datetime.now(UTC)
+    works: list[Work] = []
+    for i in range(size):
+        sent = Outbound.of(STAGE_SUBJECT, command_body(blob))
+        env = decode(sent.data, sent.headers)
+        delivery = Delivery(
+            msg=None, subject=STAGE_SUBJECT, data=sent.data, headers=dict(sent.headers),  # type: ignore[arg-type]
+            stream="MESHFORGE_COMMANDS", seq=first + i, num_delivered=1, timestamp=stamp, envelope=env,
+        )  # fmt: skip
+        work = engine._admit(i, delivery)
+        assert isinstance(work, Work), work
+        work.index = i
+        works.append(work)
+    return works
+
+
+def stage_round(groups: int, size: int, tmp: str) -> tuple[float, float]:
+    """(stage thread, whole process) CPU microseconds a command over ``groups`` groups."""
+    from _variants import EchoAgent
+
+    settings = Settings()
+    store = open_store(f"sqlite:///{tmp}/stage.db")
+    publisher = Publisher(None, settings, Metrics.default())  # type: ignore[arg-type]  # only its limits
+    engine = Engine(EchoAgent(), store, publisher, settings=settings)
+    try:
+        batches = [_stage_group(engine, 1 + g * size, size) for g in range(groups + 2)]
+        marks: list[tuple[Scope, str]] = []
+
+        def one(works: list[Work]) -> None:
+            nonlocal marks
+            engine._run_here(works, marks)
+            marks = [(w.scope, w.env.key) for w in works]
+
+        for works in batches[:2]:  # warm-up: tables, statements
+            one(works)
+        gc.collect()
+        thread, process = time.thread_time(), time.process_time()
+        for works in batches[2:]:
+            one(works)
+        thread, process = time.thread_time() - thread, time.process_time() - process
+    finally:
+        engine.close()
+        store.close()
+    n = groups * size
+    return thread / n * 1e6, process / n * 1e6
+
+
+def stage(groups: int, rounds: int) -> None:
+    size = 4 * Settings().batch_size
+    threads: list[float] = []
+    processes: list[float] = []
+    for r in range(rounds):
+        with tempfile.TemporaryDirectory(prefix="meshforge-stage-") as tmp:
+            thread, process = stage_round(groups, size, tmp)
+        threads.append(thread)
+        processes.append(process)
+        console.print(f"round {r + 1}: stage thread {thread:.1f} us/cmd, process {process:.1f} us/cmd")
+    console.print(
+        f"store stage, {groups} groups of {size} commands, median of {rounds}: stage thread"
+        f" {statistics.median(threads):.1f} us/cmd, process {statistics.median(processes):.1f} us/cmd ({machine()})"
+    )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=None, help="3 (store path) or 5 (--stage)")
     parser.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/postgres", help="admin URL")
     parser.add_argument("--quick", action="store_true", help="30 batches, 3 rounds")
+    parser.add_argument("--stage", action="store_true", help="the agent's store stage: CPU a command, no server")
+    parser.add_argument("--groups", type=int, default=40, help="with --stage: groups a round")
     args = parser.parse_args()
-    main(30 if args.quick else args.batches, 3 if args.quick else args.rounds, args.pg)
+    if args.stage:
+        stage(args.groups, args.rounds or 5)
+        sys.exit(0)
+    main(30 if args.quick else args.batches, 3 if args.quick else args.rounds or 3, args.pg)
