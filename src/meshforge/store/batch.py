@@ -8,7 +8,7 @@ both dialects plan as primary-key lookups; lists past the parameter limit are ch
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from meshforge.errors import StoreError
@@ -47,6 +47,7 @@ class BatchMethods:
     _run: Runner
     _d: Dialect
     _now: Any
+    _blob: Callable[[Any], Any]  # a blob as this dialect binds it fastest (``SqlTransaction``)
 
     @spoils
     def states_get(self, agent: str, resources: Iterable[Scoped]) -> dict[Scoped, bytes | None]:
@@ -87,7 +88,8 @@ class BatchMethods:
                  [s.position for s in last]),
             )  # fmt: skip
             return
-        rows = [(s.scope.tenant, s.scope.namespace, agent, s.resource_id, bytes(s.data),
+        blob = self._blob
+        rows = [(s.scope.tenant, s.scope.namespace, agent, s.resource_id, blob(s.data),
                  s.position, self._now) for s in last]  # fmt: skip
         self._run.each(f"INSERT INTO {columns} VALUES {{rows}}" + upsert, rows)
 
@@ -107,8 +109,9 @@ class BatchMethods:
         if not effects:
             return
         seen = self._distinct_keys(consumer, effects)
+        blob = self._blob
         rows = [(e.scope.tenant, e.scope.namespace, consumer, e.key, e.command_id, self._now,
-                 pack_outputs(e.outputs)) for e in effects]  # fmt: skip
+                 blob(pack_outputs(e.outputs))) for e in effects]  # fmt: skip
         target = (
             "meshforge_effects (tenant, namespace, consumer, key, command_id, created_at, outputs)"
         )
