@@ -28,7 +28,6 @@ checkpoint thread), the median of ``--rounds`` rounds, each on a fresh store.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import tempfile
@@ -191,8 +190,9 @@ def _stage_group(engine: Engine[Any], first: int, size: int) -> list[Work]:
     return works
 
 
-def stage_round(groups: int, size: int, tmp: str) -> tuple[float, float]:
-    """(stage thread, whole process) CPU microseconds a command over ``groups`` groups."""
+def stage_round(groups: int, size: int, tmp: str) -> tuple[float, float, dict[str, float]]:
+    """(stage thread, whole process) CPU microseconds a command over ``groups`` groups, and
+    the process's system-call I/O a command (``_io``)."""
     from _variants import EchoAgent
 
     settings = Settings()
@@ -200,41 +200,62 @@ def stage_round(groups: int, size: int, tmp: str) -> tuple[float, float]:
     publisher = Publisher(None, settings, Metrics.default())  # type: ignore[arg-type]  # only its limits
     engine = Engine(EchoAgent(), store, publisher, settings=settings)
     try:
-        batches = [_stage_group(engine, 1 + g * size, size) for g in range(groups + 2)]
         marks: list[tuple[Scope, str]] = []
-
-        def one(works: list[Work]) -> None:
-            nonlocal marks
+        thread = process = building = 0.0
+        io = _io()
+        for g in range(groups + 2):  # two to warm up: tables, statements
+            started = time.thread_time(), time.process_time()
+            works = _stage_group(engine, 1 + g * size, size)  # the event loop's part: not counted
+            ran = time.thread_time()
             engine._run_here(works, marks)
             marks = [(w.scope, w.env.key) for w in works]
-
-        for works in batches[:2]:  # warm-up: tables, statements
-            one(works)
-        gc.collect()
-        thread, process = time.thread_time(), time.process_time()
-        for works in batches[2:]:
-            one(works)
-        thread, process = time.thread_time() - thread, time.process_time() - process
+            if g >= 2:
+                building += ran - started[0]
+                thread += time.thread_time() - ran
+                process += time.process_time() - started[1]
+            del works
+        # The whole process's CPU over the groups run (its checkpoint thread's too), less
+        # what building the commands took.
+        process -= building
+        io = {k: v - io.get(k, 0) for k, v in _io().items()}
     finally:
         engine.close()
         store.close()
     n = groups * size
-    return thread / n * 1e6, process / n * 1e6
+    return thread / n * 1e6, process / n * 1e6, {k: v / n for k, v in io.items()}
+
+
+def _io() -> dict[str, int]:
+    """The process's bytes read and written by system calls, and the calls (Linux)."""
+    path = Path("/proc/self/io")
+    if not path.exists():
+        return {}
+    pairs = (line.split(": ") for line in path.read_text().splitlines())
+    return {k: int(v) for k, v in pairs if k in ("rchar", "wchar", "syscr", "syscw")}
 
 
 def stage(groups: int, rounds: int) -> None:
     size = 4 * Settings().batch_size
     threads: list[float] = []
     processes: list[float] = []
+    ios: list[dict[str, float]] = []
     for r in range(rounds):
         with tempfile.TemporaryDirectory(prefix="meshforge-stage-") as tmp:
-            thread, process = stage_round(groups, size, tmp)
+            thread, process, io = stage_round(groups, size, tmp)
         threads.append(thread)
         processes.append(process)
-        console.print(f"round {r + 1}: stage thread {thread:.1f} us/cmd, process {process:.1f} us/cmd")
+        ios.append(io)
+        console.print(
+            f"round {r + 1}: stage thread {thread:.1f} us/cmd, process {process:.1f} us/cmd;"
+            f" a command read {io.get('rchar', 0):,.0f} B in {io.get('syscr', 0):.2f} calls,"
+            f" wrote {io.get('wchar', 0):,.0f} B in {io.get('syscw', 0):.2f}"
+        )
+    io = {k: statistics.median(i[k] for i in ios) for k in ios[0]}
     console.print(
         f"store stage, {groups} groups of {size} commands, median of {rounds}: stage thread"
-        f" {statistics.median(threads):.1f} us/cmd, process {statistics.median(processes):.1f} us/cmd ({machine()})"
+        f" {statistics.median(threads):.1f} us/cmd (least {min(threads):.1f}), process"
+        f" {statistics.median(processes):.1f} us/cmd (least {min(processes):.1f}); I/O a command:"
+        f" read {io.get('rchar', 0):,.0f} B, wrote {io.get('wchar', 0):,.0f} B ({machine()})"
     )
 
 
