@@ -70,7 +70,7 @@ def quick_init(cls: C) -> C:
     exec(source, names)  # as dataclasses itself makes __init__
     init = names["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
-    init.__annotations__ = dict(cls.__init__.__annotations__)  # the generated one's
+    init.__annotations__ = dict(vars(cls)["__init__"].__annotations__)  # the generated one's
     setattr(cls, "__init__", init)  # noqa: B010  (a class, not an instance)
     return cls
 
