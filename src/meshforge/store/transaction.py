@@ -197,9 +197,22 @@ class SqlTransaction(BatchMethods):
         first = int(head[0][0]) - len(events) + 1
         positions = list(range(first, first + len(events)))
         blob = self._blob
-        self._run.insert(
+        target = (
             "meshforge_events (tenant, namespace, agent, position, event_id, type, resource_id,"
-            " command_id, key, data, ts, stored_at)",
+            " command_id, key, data, ts, stored_at)"
+        )
+        if self._d.embedded:
+            # What every row shares is bound once a statement, not once a row.
+            self._run.each(
+                f"INSERT INTO {target} SELECT ?, ?, ?, column1, column2, column3, column4,"
+                " column5, column6, column7, column8, ? FROM (VALUES {rows})",
+                [(pos, e.event_id, e.type, e.resource_id, e.command_id, e.key, blob(e.data), e.ts)
+                 for pos, e in zip(positions, events, strict=True)],
+                (t, ns, agent, self._now),
+            )  # fmt: skip
+            return positions
+        self._run.insert(
+            target,
             [
                 (t, ns, agent, pos, e.event_id, e.type, e.resource_id, e.command_id, e.key,
                  blob(e.data), e.ts, self._now)
