@@ -2,8 +2,11 @@
 
 A batch of commands costs a handful of statements instead of several per command, which
 is what a networked database (one round trip per statement) needs. Rows are named by
-``(scope, id)`` pairs and matched with a row-value ``IN`` over a ``VALUES`` list, which
-both dialects plan as primary-key lookups; lists past the parameter limit are chunked.
+``(scope, id)`` pairs and matched with a join over a table of them, which both dialects
+plan as primary-key lookups; lists past the parameter limit are chunked. On SQLite, where
+a statement costs no round trip but each bound value several hundred instructions, a
+statement takes one scope: what its rows share (tenant, namespace, agent or consumer,
+time) is bound once, and ids are matched with ``IN (VALUES ...)`` on the primary key.
 """
 
 from __future__ import annotations
