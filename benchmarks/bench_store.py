@@ -12,7 +12,17 @@ database made for the run and dropped after.
 F4 (PostgreSQL >= 0.8x SQLite) is the agent's floor, measured by ``bench_agent.py``; this
 script prints the store path's ratio beside it as a diagnostic.
 
+``--stage`` measures instead the CPU the agent's store side spends a command, with no
+server: the engine's store stage (``Engine._run_here``: BEGIN, read the states and
+effects, run the handlers, build the outputs, store it all, COMMIT) over groups of
+synthetic commands already decoded, of the size a backlog gives (``4 x batch_size``, 256),
+the previous group's keys marked published in each, on a SQLite store with
+``synchronous=full`` as the agent runs it. It prints the stage thread's CPU a command
+(``time.thread_time``) and the whole process's (``time.process_time``: with SQLite's
+checkpoint thread), the median of ``--rounds`` rounds, each on a fresh store.
+
     python benchmarks/bench_store.py [--batches 100] [--rounds 3] [--quick]
+    python benchmarks/bench_store.py --stage [--groups 40] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -33,8 +45,15 @@ from _common import BODY_SIZE, console, machine
 from _floors import floor
 from rich.table import Table
 
+from meshforge.config import Settings
+from meshforge.consume.decisions import Delivery
+from meshforge.envelope import Outbound, decode
+from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
+from meshforge.runtime.effects import Work
+from meshforge.runtime.engine import Engine
 from meshforge.store import NewEffect, NewEvent, NewState, Store, StoredOutput, open_store
-from meshforge.topology.scope import DEFAULT_SCOPE
+from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
 BATCH = 64
 RESOURCES = 1000
@@ -147,11 +166,109 @@ def main(batches: int, rounds: int, pg_admin: str) -> None:
           met=None, note=f"diagnostic; single-row methods {ratio['by row']:.2f}x; the floor is bench_agent.py's")  # fmt: skip
 
 
+STAGE_SUBJECT = "cmd.default.bench.echo.work"
+
+
+def _stage_group(engine: Engine[Any], first: int, size: int) -> list[Work]:
+    """``size`` commands as the consumer hands them over: decoded, admitted, in stream order."""
+    from _variants import command_body
+
+    blob = "x" * BODY_SIZE
+    stamp = datetime.now(UTC)
+    works: list[Work] = []
+    for i in range(size):
+        sent = Outbound.of(STAGE_SUBJECT, command_body(blob))
+        env = decode(sent.data, sent.headers)
+        delivery = Delivery(
+            msg=None, subject=STAGE_SUBJECT, data=sent.data, headers=dict(sent.headers),  # type: ignore[arg-type]
+            stream="MESHFORGE_COMMANDS", seq=first + i, num_delivered=1, timestamp=stamp, envelope=env,
+        )  # fmt: skip
+        work = engine._admit(i, delivery)
+        assert isinstance(work, Work), work
+        work.index = i
+        works.append(work)
+    return works
+
+
+def stage_round(groups: int, size: int, tmp: str) -> tuple[float, float, dict[str, float]]:
+    """(stage thread, whole process) CPU microseconds a command over ``groups`` groups, and
+    the process's system-call I/O a command (``_io``)."""
+    from _variants import EchoAgent
+
+    settings = Settings()
+    store = open_store(f"sqlite:///{tmp}/stage.db")
+    publisher = Publisher(None, settings, Metrics.default())  # type: ignore[arg-type]  # only its limits
+    engine = Engine(EchoAgent(), store, publisher, settings=settings)
+    try:
+        marks: list[tuple[Scope, str]] = []
+        thread = process = building = 0.0
+        io = _io()
+        for g in range(groups + 2):  # two to warm up: tables, statements
+            started = time.thread_time(), time.process_time()
+            works = _stage_group(engine, 1 + g * size, size)  # the event loop's part: not counted
+            ran = time.thread_time()
+            engine._run_here(works, marks)
+            marks = [(w.scope, w.env.key) for w in works]
+            if g >= 2:
+                building += ran - started[0]
+                thread += time.thread_time() - ran
+                process += time.process_time() - started[1]
+            del works
+        # The whole process's CPU over the groups run (its checkpoint thread's too), less
+        # what building the commands took.
+        process -= building
+        io = {k: v - io.get(k, 0) for k, v in _io().items()}
+    finally:
+        engine.close()
+        store.close()
+    n = groups * size
+    return thread / n * 1e6, process / n * 1e6, {k: v / n for k, v in io.items()}
+
+
+def _io() -> dict[str, int]:
+    """The process's bytes read and written by system calls, and the calls (Linux)."""
+    path = Path("/proc/self/io")
+    if not path.exists():
+        return {}
+    pairs = (line.split(": ") for line in path.read_text().splitlines())
+    return {k: int(v) for k, v in pairs if k in ("rchar", "wchar", "syscr", "syscw")}
+
+
+def stage(groups: int, rounds: int) -> None:
+    size = 4 * Settings().batch_size
+    threads: list[float] = []
+    processes: list[float] = []
+    ios: list[dict[str, float]] = []
+    for r in range(rounds):
+        with tempfile.TemporaryDirectory(prefix="meshforge-stage-") as tmp:
+            thread, process, io = stage_round(groups, size, tmp)
+        threads.append(thread)
+        processes.append(process)
+        ios.append(io)
+        console.print(
+            f"round {r + 1}: stage thread {thread:.1f} us/cmd, process {process:.1f} us/cmd;"
+            f" a command read {io.get('rchar', 0):,.0f} B in {io.get('syscr', 0):.2f} calls,"
+            f" wrote {io.get('wchar', 0):,.0f} B in {io.get('syscw', 0):.2f}"
+        )
+    io = {k: statistics.median(i[k] for i in ios) for k in ios[0]}
+    console.print(
+        f"store stage, {groups} groups of {size} commands, median of {rounds}: stage thread"
+        f" {statistics.median(threads):.1f} us/cmd (least {min(threads):.1f}), process"
+        f" {statistics.median(processes):.1f} us/cmd (least {min(processes):.1f}); I/O a command:"
+        f" read {io.get('rchar', 0):,.0f} B, wrote {io.get('wchar', 0):,.0f} B ({machine()})"
+    )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=None, help="3 (store path) or 5 (--stage)")
     parser.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/postgres", help="admin URL")
     parser.add_argument("--quick", action="store_true", help="30 batches, 3 rounds")
+    parser.add_argument("--stage", action="store_true", help="the agent's store stage: CPU a command, no server")
+    parser.add_argument("--groups", type=int, default=40, help="with --stage: groups a round")
     args = parser.parse_args()
-    main(30 if args.quick else args.batches, 3 if args.quick else args.rounds, args.pg)
+    if args.stage:
+        stage(args.groups, args.rounds or 5)
+        sys.exit(0)
+    main(30 if args.quick else args.batches, 3 if args.quick else args.rounds or 3, args.pg)

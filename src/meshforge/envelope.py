@@ -53,6 +53,7 @@ H_CORRELATION = "Correlation-Id"
 # Ids derived from a cause are UUIDv5 in this namespace: the same cause and position
 # always give the same id, so a re-published output is the same message.
 _ID_NAMESPACE = uuid.UUID("6d657368-666f-7267-6500-000000000001").bytes
+_ID_SHA1 = hashlib.sha1(_ID_NAMESPACE)
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
 _NO_TRACE, _NO_SPAN = "0" * 32, "0" * 16
 _JSON_ENCODER = msgspec.json.Encoder()
@@ -66,14 +67,22 @@ def now_ts() -> str:
 
 def derive_id(cause_id: str, position: int) -> str:
     """Deterministic id of the ``position``-th output caused by message ``cause_id``."""
-    return uuid5_str(_ID_NAMESPACE, f"{cause_id}/{position}")
+    # ``uuid5_str(_ID_NAMESPACE, ...)`` from a copy of the namespace's hash: a copy costs
+    # less than a new hash object, and the namespace is hashed once.
+    h = _ID_SHA1.copy()
+    h.update(f"{cause_id}/{position}".encode())
+    return _uuid5_text(h.hexdigest())
 
 
 def uuid5_str(namespace: bytes, name: str) -> str:
     """``str(uuid.uuid5(UUID(bytes=namespace), name))``, without building a ``UUID`` (on
     the hot path: an id for every output)."""
-    h = hashlib.sha1(namespace + name.encode()).hexdigest()  # RFC 4122 version 5:
-    # the version nibble becomes 5, the variant bits of byte 8 become 10.
+    return _uuid5_text(hashlib.sha1(namespace + name.encode()).hexdigest())
+
+
+def _uuid5_text(h: str) -> str:
+    """A UUID's text from the hex SHA-1 of its namespace and name (RFC 4122 version 5: the
+    version nibble becomes 5, the variant bits of byte 8 become 10)."""
     return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{_VARIANT[h[16]]}{h[17:20]}-{h[20:32]}"
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from meshforge.errors import PublishError
 from meshforge.transport.sizes import HEADER_LIMIT, SizeLimits, check_fits, fit_message, header_size
@@ -14,6 +16,16 @@ def test_header_size_counts_the_block_as_sent() -> None:
     # NATS/1.0\r\n + "A: bc\r\n" + "Xy: é\r\n" (é is 2 bytes) + \r\n
     assert header_size({"A": "bc", "Xy": "é"}) == 10 + 7 + 8 + 2
     assert header_size({}) == 0
+
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
+
+
+@given(st.dictionaries(_TEXT, _TEXT, max_size=8))
+def test_header_size_is_each_line_as_written(headers: dict[str, str]) -> None:
+    # The block, a name, ": ", the value's UTF-8 bytes and CRLF a header, as the client writes.
+    lines = sum(len(name) + 2 + len(value.encode()) + 2 for name, value in headers.items())
+    assert header_size(headers) == (10 + lines + 2 if headers else 0)
 
 
 def test_a_message_that_fits_is_unchanged() -> None:

@@ -38,6 +38,7 @@ import msgspec
 
 from meshforge.envelope import Envelope
 from meshforge.errors import ConfigError, Unrecoverable
+from meshforge.store.base import quick_init
 from meshforge.topology.subjects import validate_token
 
 __all__ = [
@@ -65,6 +66,7 @@ def derive_uuid(*parts: str) -> str:
     return str(uuid.uuid5(_UUID_NAMESPACE, "/".join(parts)))
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Event:
     """Something that happened to the resource: ``Event("created", {"order_id": ...})``.
@@ -76,6 +78,7 @@ class Event:
     payload: Mapping[str, Any] = field(default_factory=dict)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Send:
     """A command to another agent: ``Send("inventory", "reserve", {...}, resource_id=sku)``.
@@ -93,6 +96,7 @@ class Send:
 
 
 Output: TypeAlias = Event | Send
+_OUTPUT_TYPES = frozenset({Event, Send})
 HandlerResult: TypeAlias = Sequence[Output] | Output | None
 KeySpec: TypeAlias = str | Callable[[Envelope], str] | None
 
@@ -202,6 +206,8 @@ class Agent(Generic[S]):
     async def handle(self, spec: CommandSpec, cmd: Envelope, state: S) -> list[Output]:
         """Run the command's handler and return its outputs as a list (checked)."""
         result = spec.handler(self, cmd, state)
+        if type(result) is list and _OUTPUT_TYPES.issuperset(map(type, result)):
+            return list(result)  # the common case, checked in one C pass
         if inspect.isawaitable(result):
             result = await result
         if result is None:

@@ -2,13 +2,16 @@
 
 A batch of commands costs a handful of statements instead of several per command, which
 is what a networked database (one round trip per statement) needs. Rows are named by
-``(scope, id)`` pairs and matched with a row-value ``IN`` over a ``VALUES`` list, which
-both dialects plan as primary-key lookups; lists past the parameter limit are chunked.
+``(scope, id)`` pairs and matched with a join over a table of them, which both dialects
+plan as primary-key lookups; lists past the parameter limit are chunked. On SQLite, where
+a statement costs no round trip but each bound value several hundred instructions, a
+statement takes one scope: what its rows share (tenant, namespace, agent or consumer,
+time) is bound once, and ids are matched with ``IN (VALUES ...)`` on the primary key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from meshforge.errors import StoreError
@@ -35,6 +38,30 @@ EFFECTS_MARK_PUBLISHED = (
     " AND key = u.column4"
 )
 
+# The same for SQLite, one scope a statement: what every row shares is bound once (each
+# value bound costs the sqlite3 module several hundred instructions), and the key column's
+# IN list is probed in the primary key.
+_STATES_GET_ONE_SCOPE = (
+    "SELECT resource_id, data FROM meshforge_states WHERE tenant = ? AND namespace = ?"
+    " AND agent = ? AND resource_id IN (VALUES {rows})"
+)
+_EFFECTS_GET_ONE_SCOPE = (
+    "SELECT key, outputs FROM meshforge_effects WHERE tenant = ? AND namespace = ?"
+    " AND consumer = ? AND key IN (VALUES {rows})"
+)
+_MARK_ONE_SCOPE = (
+    "UPDATE meshforge_effects SET published_at = ? WHERE tenant = ? AND namespace = ?"
+    " AND consumer = ? AND key IN (VALUES {rows})"
+)
+
+
+def _by_scope(pairs: Iterable[Scoped]) -> dict[Scope, list[tuple[str]]]:
+    """The names of ``pairs`` by their scope, each as a one-value row, in their order."""
+    grouped: dict[Scope, list[tuple[str]]] = {}
+    for scope, name in pairs:
+        grouped.setdefault(scope, []).append((name,))
+    return grouped
+
 
 def lock_names(agent: str, slots: Iterable[Scoped]) -> list[str]:
     """The names ``Dialect.resources_lock`` locks the agent's resources by."""
@@ -47,6 +74,7 @@ class BatchMethods:
     _run: Runner
     _d: Dialect
     _now: Any
+    _blob: Callable[[Any], Any]  # a blob as this dialect binds it fastest (``SqlTransaction``)
 
     @spoils
     def states_get(self, agent: str, resources: Iterable[Scoped]) -> dict[Scoped, bytes | None]:
@@ -57,6 +85,11 @@ class BatchMethods:
         if self._d.resources_lock:
             # Serialises workers on each resource even before its first snapshot exists.
             self._run.rows(self._d.resources_lock, (lock_names(agent, slots),))
+        if self._d.embedded:
+            for scope, names in _by_scope(slots).items():
+                for resource_id, data in self._run.each(_STATES_GET_ONE_SCOPE, names, (*scope, agent)):
+                    found[(scope, resource_id)] = bytes(data)
+            return found
         rows = self._run.each(
             STATES_GET + (self._d.for_update + " OF s" if self._d.for_update else ""),
             [(s.tenant, s.namespace, agent, r) for s, r in slots],
@@ -87,7 +120,21 @@ class BatchMethods:
                  [s.position for s in last]),
             )  # fmt: skip
             return
-        rows = [(s.scope.tenant, s.scope.namespace, agent, s.resource_id, bytes(s.data),
+        blob = self._blob
+        if self._d.embedded:
+            # A scope's tenant and namespace, the agent and the time bound once a statement.
+            # (WHERE true: SQLite reads an ON after FROM as a join's unless a WHERE comes first.)
+            by_scope: dict[Scope, list[tuple[Any, ...]]] = {}
+            for s in last:
+                by_scope.setdefault(s.scope, []).append((s.resource_id, blob(s.data), s.position))
+            for scope, some in by_scope.items():
+                self._run.each(
+                    f"INSERT INTO {columns} SELECT ?, ?, ?, column1, column2, column3, ?"
+                    " FROM (VALUES {rows}) WHERE true" + upsert,
+                    some, (scope.tenant, scope.namespace, agent, self._now),
+                )  # fmt: skip
+            return
+        rows = [(s.scope.tenant, s.scope.namespace, agent, s.resource_id, blob(s.data),
                  s.position, self._now) for s in last]  # fmt: skip
         self._run.each(f"INSERT INTO {columns} VALUES {{rows}}" + upsert, rows)
 
@@ -97,6 +144,11 @@ class BatchMethods:
     ) -> dict[Scoped, list[StoredOutput] | None]:
         wanted = sorted(set(keys))
         found: dict[Scoped, list[StoredOutput] | None] = dict.fromkeys(wanted)
+        if self._d.embedded:
+            for scope, keys_ in _by_scope(wanted).items():
+                for key, outputs in self._run.each(_EFFECTS_GET_ONE_SCOPE, keys_, (*scope, consumer)):
+                    found[(scope, key)] = unpack_outputs(outputs)
+            return found
         rows = self._run.each(EFFECTS_GET, [(s.tenant, s.namespace, consumer, k) for s, k in wanted])
         for tenant, namespace, key, outputs in rows:
             found[(Scope(tenant, namespace), key)] = unpack_outputs(outputs)
@@ -107,11 +159,15 @@ class BatchMethods:
         if not effects:
             return
         seen = self._distinct_keys(consumer, effects)
-        rows = [(e.scope.tenant, e.scope.namespace, consumer, e.key, e.command_id, self._now,
-                 pack_outputs(e.outputs)) for e in effects]  # fmt: skip
+        blob = self._blob
         target = (
             "meshforge_effects (tenant, namespace, consumer, key, command_id, created_at, outputs)"
         )
+        if self._d.embedded:
+            self._effects_put_embedded(consumer, effects, target)
+            return
+        rows = [(e.scope.tenant, e.scope.namespace, consumer, e.key, e.command_id, self._now,
+                 blob(pack_outputs(e.outputs))) for e in effects]  # fmt: skip
         if self._d.copy_in is not None:
             try:
                 self._run.insert(target, rows)
@@ -119,19 +175,6 @@ class BatchMethods:
                 if exc.kind != "duplicate":
                     raise
                 raise self._duplicate(consumer, f"a key is already stored ({exc})") from exc
-        elif self._d.embedded:
-            # A key already stored fails one statement, which undoes only itself: the keys
-            # of its rows found stored now are the ones that were stored before.
-            sql = f"INSERT INTO {target} VALUES {{rows}}"
-            for text, params, chunk in self._run.statements(sql, rows):
-                try:
-                    self._run.count(text, params, spoil=False)
-                except StoreError as exc:
-                    if exc.kind != "duplicate":
-                        raise
-                    found = self.effects_get(consumer, [(Scope(r[0], r[1]), r[3]) for r in chunk])
-                    scope, key = next(k for k, outputs in found.items() if outputs is not None)
-                    raise self._duplicate(consumer, f"key {key!r} in {scope} is already stored") from exc
         else:
             # DO NOTHING, then compare: the duplicate is named, and a concurrent transaction
             # storing the same key is waited for, as with a plain INSERT.
@@ -145,6 +188,27 @@ class BatchMethods:
                 stored = {(Scope(t, ns), k) for t, ns, k in inserted}
                 scope, key = next(k for k in seen if k not in stored)
                 raise self._duplicate(consumer, f"key {key!r} in {scope} is already stored")
+
+    def _effects_put_embedded(self, consumer: str, effects: Sequence[NewEffect], target: str) -> None:
+        """``effects_put`` for SQLite: a scope's tenant and namespace, the consumer and the
+        time bound once a statement. A key already stored fails one statement, which undoes
+        only itself: the keys of its rows found stored now are the ones stored before."""
+        blob = self._blob
+        by_scope: dict[Scope, list[tuple[Any, ...]]] = {}
+        for e in effects:
+            by_scope.setdefault(e.scope, []).append((e.key, e.command_id, blob(pack_outputs(e.outputs))))
+        sql = f"INSERT INTO {target} SELECT ?, ?, ?, column1, column2, ?, column3 FROM (VALUES {{rows}})"
+        for scope, rows in by_scope.items():
+            fixed = (scope.tenant, scope.namespace, consumer, self._now)
+            for text, params, chunk in self._run.statements(sql, rows, fixed):
+                try:
+                    self._run.count(text, params, spoil=False)
+                except StoreError as exc:
+                    if exc.kind != "duplicate":
+                        raise
+                    found = self.effects_get(consumer, [(scope, r[0]) for r in chunk])
+                    key = next(k for (_, k), outputs in found.items() if outputs is not None)
+                    raise self._duplicate(consumer, f"key {key!r} in {scope} is already stored") from exc
 
     @classmethod
     def _distinct_keys(cls, consumer: str, effects: Sequence[NewEffect]) -> set[Scoped]:
@@ -165,6 +229,11 @@ class BatchMethods:
 
     @spoils
     def effects_mark_published(self, consumer: str, keys: Iterable[Scoped]) -> int:
+        if self._d.embedded:
+            return sum(
+                self._run.each_count(_MARK_ONE_SCOPE, keys_, (self._now, *scope, consumer))
+                for scope, keys_ in _by_scope(sorted(set(keys))).items()
+            )
         return self._run.each_count(
             EFFECTS_MARK_PUBLISHED,
             [(s.tenant, s.namespace, consumer, k) for s, k in sorted(set(keys))],

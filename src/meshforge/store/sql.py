@@ -132,6 +132,7 @@ def ts_or_none(dialect: Dialect, value: Any) -> datetime | None:
 _encode_headers = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
 _SORTED_JSON = msgspec.json.Encoder(order="sorted")
 _HEADERS = msgspec.json.Decoder(dict[str, str])
+_JUST_STR = frozenset({str})
 
 
 def dump_headers(headers: Mapping[str, str]) -> str:
@@ -141,11 +142,12 @@ def dump_headers(headers: Mapping[str, str]) -> str:
 
 def headers_json(headers: Mapping[str, str]) -> bytes:
     """``dump_headers`` as UTF-8 bytes (what a packed value holds)."""
-    for name, value in headers.items():
-        if not isinstance(name, str) or not isinstance(value, str):
-            raise StoreError(
-                f"headers must map str to str: {name!r} has {type(value).__name__} {value!r}"
-            )
+    if not _JUST_STR.issuperset(map(type, chain(headers, headers.values()))):  # one C pass
+        for name, value in headers.items():
+            if not isinstance(name, str) or not isinstance(value, str):
+                raise StoreError(
+                    f"headers must map str to str: {name!r} has {type(value).__name__} {value!r}"
+                )
     plain = headers if type(headers) is dict else dict(headers)
     try:
         return _SORTED_JSON.encode(plain)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, cast
 
@@ -86,6 +86,10 @@ class SqlTransaction(BatchMethods):
         self._d = run.dialect
         # One timestamp per transaction: every row it writes agrees on when.
         self._now = self._d.ts_in(now)
+        # sqlite3 binds a bytearray as is, where it first asks its adapters about bytes (a
+        # few thousand instructions a value, more than the copy): blobs of the batch writes
+        # go to SQLite as bytearrays. They are stored and read back the same.
+        self._blob: Callable[[Any], Any] = bytearray if self._d.embedded else bytes
 
     @property
     def failed(self) -> bool:
@@ -192,12 +196,26 @@ class SqlTransaction(BatchMethods):
         )
         first = int(head[0][0]) - len(events) + 1
         positions = list(range(first, first + len(events)))
-        self._run.insert(
+        blob = self._blob
+        target = (
             "meshforge_events (tenant, namespace, agent, position, event_id, type, resource_id,"
-            " command_id, key, data, ts, stored_at)",
+            " command_id, key, data, ts, stored_at)"
+        )
+        if self._d.embedded:
+            # What every row shares is bound once a statement, not once a row.
+            self._run.each(
+                f"INSERT INTO {target} SELECT ?, ?, ?, column1, column2, column3, column4,"
+                " column5, column6, column7, column8, ? FROM (VALUES {rows})",
+                [(pos, e.event_id, e.type, e.resource_id, e.command_id, e.key, blob(e.data), e.ts)
+                 for pos, e in zip(positions, events, strict=True)],
+                (t, ns, agent, self._now),
+            )  # fmt: skip
+            return positions
+        self._run.insert(
+            target,
             [
                 (t, ns, agent, pos, e.event_id, e.type, e.resource_id, e.command_id, e.key,
-                 bytes(e.data), e.ts, self._now)
+                 blob(e.data), e.ts, self._now)
                 for pos, e in zip(positions, events, strict=True)
             ],
         )  # fmt: skip
