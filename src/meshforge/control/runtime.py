@@ -34,6 +34,8 @@ import msgspec
 
 from meshforge.config import Settings, load_settings
 from meshforge.consume.consumer import Consumer, Decision, Delivery
+from meshforge.consume.decisions import REASON_MAX_DELIVERIES, REASON_UNRECOVERABLE, Action
+from meshforge.consume.policy import Cause, FailurePolicy, Outcome
 from meshforge.control.client import node_durable
 from meshforge.control.jobs import job_canceled
 from meshforge.control.node import CommandContext, Node
@@ -41,7 +43,7 @@ from meshforge.control.presence import Presence
 from meshforge.control.reply import Status, reply_envelope
 from meshforge.deadletters.route import REASONS
 from meshforge.envelope import Envelope, decode
-from meshforge.errors import Expired, MalformedMessage, Rejected, Retry, Unrecoverable, one_line
+from meshforge.errors import MalformedMessage, one_line
 from meshforge.ops.faults import crash_point
 from meshforge.ops.observability import Metrics
 from meshforge.ops.probes import DEFAULT_PROBE_INTERVAL, Probes
@@ -106,6 +108,12 @@ class NodeRuntime:
         self.metrics = metrics if metrics is not None else Metrics.default()
         self.publisher = publisher or Publisher(conn.js, self.settings, self.metrics)
         self.spec = node_consumer(site, name, self.settings)
+        #: What a handler's failure becomes: the consumers' and the engine's rules, with a
+        #: result that cannot be encoded (or a handler called wrongly) never retried.
+        self._policy = FailurePolicy(
+            max_deliver=self.settings.max_deliver, backoff=self.settings.backoff or (1.0,),
+            unrecoverable=(MalformedMessage, TypeError, msgspec.EncodeError),
+        )  # fmt: skip
         self.durable = node_durable(site, name)
         self.reply_subject = control_reply_subject(site, name)
         self.presence = Presence(
@@ -289,30 +297,15 @@ class NodeRuntime:
 
         # Counted before the run, so a command that kills the node also runs out of attempts.
         attempt = await self._tx(begin)
-        limit = self.settings.max_deliver
-        if attempt > limit:
-            error = f"gave up after {limit} attempt(s) that did not finish"
-            return await self._finish(
-                env, "error", None, error, dead_letter="max_deliveries", begun=True
-            )
+        if self._policy.past_limit(attempt):  # earlier attempts did not finish (killed)
+            exhausted = self._policy.decide(Outcome(Cause.EXHAUSTED, attempt))
+            return await self._dead(env, exhausted)
         ctx = CommandContext(site=self.site, node=self.name, epoch=epoch, envelope=env)
         self.metrics.node_commands.labels(site=self.site, node=self.name, command=env.type).inc()
         try:
             result = await handler(dict(env.payload), ctx)
             _ENCODER.encode(result)
-        except Expired as exc:
-            return await self._finish(
-                env, "expired", None, one_line(exc), dead_letter="expired", begun=True
-            )
-        except Rejected as exc:
-            return await self._finish(
-                env, "rejected", None, one_line(exc), dead_letter="rejected", begun=True
-            )
-        except (Unrecoverable, MalformedMessage, TypeError, msgspec.EncodeError) as exc:
-            return await self._finish(
-                env, "error", None, one_line(exc), dead_letter="unrecoverable", begun=True
-            )
-        except Exception as exc:  # any other failure of the handler is one failed attempt
+        except Exception as exc:
             return await self._failed(env, exc, attempt)
         crash_point("after_handler")
         return await self._finish(
@@ -320,21 +313,26 @@ class NodeRuntime:
         )
 
     async def _failed(self, env: Envelope, exc: Exception, attempt: int) -> Decision | None:
-        limit = self.settings.max_deliver
+        """The handler failed: a reply and a dead letter if the policy says so, else a nak
+        (the attempt noted in the inbox)."""
+        decision = self._policy.decide(Outcome(Cause.HANDLER, attempt, exc))
         error = one_line(exc)
-        if attempt >= limit:
-            error = f"failed {attempt} time(s), last: {error}"
-            return await self._finish(
-                env, "error", None, error, dead_letter="max_deliveries", begun=True
-            )
+        if decision.action is Action.DEAD_LETTER:
+            if decision.reason == REASON_MAX_DELIVERIES:
+                decision = Decision.dead_letter(decision.reason, f"failed {attempt} time(s), last: {error}")
+            return await self._dead(env, decision)
         await self._tx(lambda tx: tx.inbox_failed(env.id, self.durable, error))
-        backoff = self.settings.backoff or (1.0,)
-        delay = exc.delay if isinstance(exc, Retry) and exc.delay is not None else None
-        delay = delay if delay is not None else backoff[min(attempt, len(backoff)) - 1]
         log.warning(
-            "command %s (%s) attempt %d/%d failed: %s", env.id, env.type, attempt, limit, error
-        )
-        return Decision.nak(delay=delay)
+            "command %s (%s) attempt %d/%d failed: %s",
+            env.id, env.type, attempt, self.settings.max_deliver, error,
+        )  # fmt: skip
+        return decision
+
+    async def _dead(self, env: Envelope, decision: Decision) -> Decision | None:
+        """Reply with the dead letter's status (expired, rejected, else error) and send it."""
+        reason = decision.reason or REASON_UNRECOVERABLE
+        status: Status = "expired" if reason == "expired" else "rejected" if reason == "rejected" else "error"
+        return await self._finish(env, status, None, decision.error, dead_letter=reason, begun=True)
 
     async def _finish(
         self,
