@@ -297,16 +297,20 @@ class Engine(Generic[S]):
         await self.holds.recheck(works)
         run, held = self.holds.split(works)
         if held:
-            try:
-                await self._in_thread(self.store.run, lambda tx: self.holds.count(tx, [w for w, _ in held]))
-            except StoreError as exc:
-                log.warning("%s: could not count %d held command(s): %s", self.consumer, len(held), one_line(exc))
+            await self._count_held([w for w, _ in held])
             for work, delay in held:
                 work.decide(self.policy.decide(Outcome(Cause.HELD, delay=delay)))
                 self.holds.away((work.scope, work.resource), work.delivery.seq, delay)
             self.metrics.held_back.labels(consumer=self.consumer).inc(len(held))
             log.debug("%s: %d command(s) held behind earlier ones of their resources", self.consumer, len(held))
         return run
+
+    async def _count_held(self, works: list[Work]) -> None:
+        """Count a held delivery for each, in the store first (a wait, not an attempt)."""
+        try:
+            await self._in_thread(self.store.run, lambda tx: self.holds.count(tx, works))
+        except StoreError as exc:
+            log.warning("%s: could not count %d held command(s): %s", self.consumer, len(works), one_line(exc))
 
     async def _stop_behind(self, decided: list[tuple[Work, Decision]]) -> list[tuple[Work, Decision]]:
         """The decisions for works not applied, with the stops the policy asks for stored
@@ -459,11 +463,15 @@ class Engine(Generic[S]):
         held = {(w.scope, w.resource): d.delay for w in works[:mid]
                 if (d := plan.decisions.get(w.index)) is not None and d.action is Action.NAK}  # fmt: skip
         rest: list[Work] = []
+        behind: list[Work] = []
         for work in works[mid:]:
             if (work.scope, work.resource) in held:
                 plan.decisions[work.index] = self.policy.decide(Outcome(Cause.HELD, delay=held[(work.scope, work.resource)]))
+                behind.append(work)
             else:
                 rest.append(work)
+        if behind:
+            await self._count_held(behind)
         if rest:
             second = await self._attempt(rest)
             plan.decisions.update(second.decisions)
