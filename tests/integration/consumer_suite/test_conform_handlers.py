@@ -16,7 +16,7 @@ from inbox_support import credit, credits, publish
 from nats.js import JetStreamContext
 from variants import MIDDLEWARES, Case, Variant, each_variant
 
-from meshforge.consume.consumer import Decision, Delivery, Handler
+from meshforge.consume.consumer import Consumer, Decision, Delivery, Handler
 from meshforge.consume.inbox import with_inbox
 from meshforge.consume.middleware.tracing import SPAN_ID, TRACE_ID
 from meshforge.errors import ConfigError
@@ -81,17 +81,22 @@ async def test_a_middleware_can_decide_without_the_handler(
     assert called == []
 
 
-@each_variant()
-async def test_decode_false_hands_raw_bytes_and_headers(
-    variant: Variant, conn: Connection, js: JetStreamContext
-) -> None:
-    c = Case.new()
+def _raw(variant: Variant, conn: Connection, c: Case) -> tuple[Consumer, list[Delivery]]:
+    """A consumer that hands raw deliveries (``decode=False``) to a list."""
     seen: list[Delivery] = []
 
     async def behave(d: Delivery) -> None:
         seen.append(d)
 
-    consumer = variant.consumer(conn, c, behave, decode=False)
+    return variant.consumer(conn, c, behave, decode=False), seen
+
+
+@each_variant()
+async def test_decode_false_hands_raw_bytes_and_headers(
+    variant: Variant, conn: Connection, js: JetStreamContext
+) -> None:
+    c = Case.new()
+    consumer, seen = _raw(variant, conn, c)
     async with running(consumer):
         await js.publish(c.subject, b"raw bytes", headers={"Idempotency-Key": "k1"})
         await wait_until(lambda: len(seen) == 1)
@@ -108,12 +113,7 @@ async def test_a_stored_message_with_a_status_header_of_its_own_is_handled(
     """A ``Status`` header a publisher set is data, not the server's status of a pull
     request (those come without a reply subject): it is handed out and acked, once."""
     c = Case.new()
-    seen: list[Delivery] = []
-
-    async def behave(d: Delivery) -> None:
-        seen.append(d)
-
-    consumer = variant.consumer(conn, c, behave, decode=False)
+    consumer, seen = _raw(variant, conn, c)
     async with running(consumer):
         for status in ("404", "408", "100", "409"):
             await js.publish(c.subject, status.encode(), headers={"Status": status, "Description": "x"})
