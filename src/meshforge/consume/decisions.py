@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 
-
 class Action(Enum):
     """The things a consumer can do with a message."""
 

@@ -459,14 +459,15 @@ class Engine(Generic[S]):
                  self.consumer, len(works), one_line(exc))  # fmt: skip
         mid = len(works) // 2
         plan = await self._attempt(works[:mid])
-        # A resource whose earlier command waits must not run its later ones first.
-        held = {(w.scope, w.resource): d.delay for w in works[:mid]
-                if (d := plan.decisions.get(w.index)) is not None and d.action is Action.NAK}  # fmt: skip
+        # A resource whose earlier command waits (or stopped) must not run its later ones first.
+        held = {(w.scope, w.resource): b for w in works[:mid]
+                if (d := plan.decisions.get(w.index)) is not None and (b := self._waits_behind(d)) is not None}  # fmt: skip
         rest: list[Work] = []
         behind: list[Work] = []
         for work in works[mid:]:
-            if (work.scope, work.resource) in held:
-                plan.decisions[work.index] = self.policy.decide(Outcome(Cause.HELD, delay=held[(work.scope, work.resource)]))
+            waits = held.get((work.scope, work.resource))
+            if waits is not None:
+                plan.decisions[work.index] = waits
                 behind.append(work)
             else:
                 rest.append(work)
@@ -478,6 +479,16 @@ class Engine(Generic[S]):
             plan.done += second.done
             plan.duplicates += second.duplicates
         return plan
+
+    def _waits_behind(self, decision: Decision) -> Decision | None:
+        """What a later command of the same resource in the batch becomes when an earlier
+        one got ``decision``: held until it is due again (a nak) or while its resource is
+        stopped (a dead letter that stops it), else None (it may run)."""
+        if decision.action is Action.NAK:
+            return self.policy.decide(Outcome(Cause.HELD, delay=decision.delay))
+        if self.policy.stops(decision):  # its stop is stored before its dead letter goes out
+            return self.policy.decide(Outcome(Cause.HELD, delay=STOPPED_POLL))
+        return None
 
     def _store_failure(self, work: Work, exc: StoreError) -> Decision:
         return self._failure(work.delivery, exc, self._attempts(work), Cause.STORE)
@@ -601,12 +612,13 @@ class Engine(Generic[S]):
         limits = self.publisher.limits()
         plan = Plan()
         plan.states = states = {r: self._decode(data) for r, data in raw.items()}
-        blocked: dict[tuple[Scope, str], float | None] = {}  # resource -> delay of its failure
+        blocked: dict[tuple[Scope, str], Decision] = {}  # resource -> what its later commands become
         for work in works:
             d = work.delivery
             slot = (work.scope, work.resource)
-            if slot in blocked:
-                plan.decisions[work.index] = self.policy.decide(Outcome(Cause.HELD, delay=blocked[slot]))
+            waits = blocked.get(slot)
+            if waits is not None:
+                plan.decisions[work.index] = waits
                 plan.held.append(work)  # counted with this transaction: a wait, not an attempt
                 continue
             previous = stored.get((work.scope, work.env.key))
@@ -644,10 +656,9 @@ class Engine(Generic[S]):
                 states[slot] = self._rebuild(slot, raw[slot], plan)
                 decision = self._failure(d, exc, self._attempts(work))
                 plan.decisions[work.index] = decision
-                if decision.action is Action.NAK:
-                    blocked[slot] = decision.delay
-                elif self.policy.stops(decision):  # its stop is stored before its dead letter
-                    blocked[slot] = STOPPED_POLL
+                waits = self._waits_behind(decision)
+                if waits is not None:
+                    blocked[slot] = waits
                 continue
             states[slot] = new_state
             work.fresh = True
