@@ -34,7 +34,7 @@ from meshforge.consume.decisions import (
     Decision,
     Delivery,
 )
-from meshforge.consume.policy import DEAD_LETTER_RETRY_DELAY, Cause, FailurePolicy, Outcome
+from meshforge.consume.policy import Cause, FailurePolicy, Outcome
 from meshforge.errors import one_line
 from meshforge.ops.faults import crash_point
 from meshforge.ops.observability import Metrics, observe_many
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from meshforge.publish.publisher import Publisher
 
-__all__ = ["DEAD_LETTER_RETRY_DELAY", "Acker"]
+__all__ = ["Acker"]
 
 log = logging.getLogger("meshforge.consumer")
 

@@ -33,17 +33,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from meshforge.consume.policy import STORE_OUTAGES, is_outage
+from meshforge.consume.policy import is_outage
 from meshforge.errors import one_line
 from meshforge.ops.observability import Metrics
 
-__all__ = ["OUTAGE_KINDS", "PROBE_DELAYS", "REMIND_EVERY", "KillSwitch", "is_outage"]
+__all__ = ["PROBE_DELAYS", "REMIND_EVERY", "KillSwitch", "is_outage"]
 
 log = logging.getLogger("meshforge.killswitch")
 
-#: ``StoreError.kind`` values that are about the store, never about the message (the
-#: failure policy's, ``meshforge.consume.policy``).
-OUTAGE_KINDS = STORE_OUTAGES
 #: Seconds between probes: the n-th failed probe waits the n-th entry (then the last).
 PROBE_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)
 #: At most one reminder line this often (seconds) while the switch stays open.
