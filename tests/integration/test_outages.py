@@ -41,7 +41,12 @@ from meshforge.transport.connection import Connection
 from meshforge.transport.server import EmbeddedServer
 
 # The settings of every outage here: short, so an outage of a few seconds outlasts them.
-ACK_WAIT, BACKOFF, MAX_DELIVER = 2.0, (0.2, 0.4, 0.6), 4
+# The first backoff entry is a delivery's first ack wait (the server's, whatever ack_wait
+# says): a second, so the held commands' beats (every third of it) still arrive in time on
+# a machine whose CPU quota stalls the process a few hundred milliseconds. At 0.2 s, a CI
+# run saw 50 held commands handed out again; the test process stopped for 0.25 s every
+# 1.5 s (SIGSTOP) does the same, and passes at 1 s.
+ACK_WAIT, BACKOFF, MAX_DELIVER = 2.0, (1.0, 0.5, 0.5), 4
 
 
 def commands(agent: str, n: int, pad: int = 0) -> list[tuple[str, Envelope]]:
