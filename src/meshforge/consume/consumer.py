@@ -4,7 +4,8 @@ A ``Consumer`` takes messages from a durable JetStream consumer and runs a handl
 each (or a batch handler per fetch). It never holds more messages than it can work on:
 a pull asks for at most ``concurrency - in flight`` (a batch consumer: batches of at
 most ``batch_size``, holding ``max_held`` messages at most: by default two batches, the
-next while one finishes), a push consumer is capped by ``max_ack_pending``.
+next while one finishes; consumers given one ``Budget`` share one ``max_held``), a push
+consumer is capped by ``max_ack_pending``.
 Malformed bodies and exhausted deliveries are dead-lettered without reaching the
 handler; handler errors become decisions (see ``meshforge.consume.decisions``); a handler that
 runs long gets ``in_progress`` every third of the ack wait. ``stop()`` stops fetching,
@@ -54,7 +55,7 @@ from meshforge.consume.middleware import (
 )
 from meshforge.consume.pull import Pause, PullLoop, PullSource
 from meshforge.consume.push import ensure_push_consumer
-from meshforge.consume.work import Limits, Processor, Workers
+from meshforge.consume.work import Budget, Limits, Processor, Workers
 from meshforge.errors import ConfigError, ConnectionFailed, MissingTopology, TopologyError, one_line
 from meshforge.ops.observability import Metrics
 from meshforge.transport.headers import server_status
@@ -132,6 +133,7 @@ class Consumer:
         max_held: int | None = None,
         owner: Tenure | None = None,
         pause: Pause | None = None,
+        budget: Budget | None = None,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ConfigError("consumer: give exactly one of handler= or batch_handler=")
@@ -186,7 +188,9 @@ class Consumer:
         self._finished = asyncio.Event()
         self._stop_timeout: float | None = None
         self._running = False
-        self._workers = Workers(self.durable, self.metrics, self._stop)
+        #: With a budget (shared by the consumers feeding one engine), ``max_held`` is the
+        #: lane's: this consumer fetches only what the lane has room for.
+        self._workers = Workers(self.durable, self.metrics, self._stop, budget)
         self._deliver: tuple[str, str] = ("", "")
         self._processor: Processor | None = None
         self._source: PullSource | None = None
@@ -384,7 +388,7 @@ class Consumer:
             stop=self._stop,
             batch_size=self.batch_size,
             wait_free=workers.wait_free,
-            in_flight=lambda: workers.in_flight,
+            in_flight=lambda: workers.load,
             limit=self.max_held if batch else self.concurrency,
             dispatch=dispatch,
             nak=self._nak_quietly,
@@ -394,6 +398,7 @@ class Consumer:
             owner=self.owner,
             gather=_GATHER if batch else 0.0,
             pause=self.pause,
+            reserve=workers.reserve if workers.shared else None,
         )
         self.ready.set()
         log.info("consumer %s/%s pulling", self.stream, self.durable)

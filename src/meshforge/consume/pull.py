@@ -393,8 +393,14 @@ class PullLoop:
         owner: Owner | None = None,
         gather: float = 0.0,
         pause: Pause | None = None,
+        reserve: Callable[[int], None] | None = None,
     ) -> None:
         self.source = source
+        self._reserve = reserve or (lambda n: None)
+        # Room shared with other consumers (``reserve``): a pull the server cannot fill at
+        # once waits up to ``expires`` for its first message with its room reserved, so
+        # only a fetch after a full one (a backlog) asks for more than one message.
+        self._shared = reserve is not None
         self._pause = pause
         self._gather = gather
         self._stop = stop
@@ -415,6 +421,7 @@ class PullLoop:
         idle_since: float | None = None
         last_check = time.monotonic()
         owner = self._owner
+        full = not self._shared  # the last fetch came back full
         while await self._wait_free(self._limit):
             if self._pause is not None and self._pause.paused:
                 await self._paused()
@@ -422,16 +429,22 @@ class PullLoop:
             if owner is not None and (due := owner.take_back()):
                 await self._take_back(due)
                 continue
-            free = self._limit - self._in_flight()
+            n = min(self._batch_size, self._limit - self._in_flight()) if full else 1
             started = time.monotonic()
-            result = await self.source.fetch(min(self._batch_size, free), self._stop)
-            for msg in result.surplus:
-                await self._nak(msg)
+            self._reserve(n)  # the room is this fetch's until its messages are held
+            try:
+                result = await self.source.fetch(n, self._stop)
+                for msg in result.surplus:
+                    await self._nak(msg)
+                if result.messages:
+                    crash_point("after_fetch")
+                    self._dispatch(result.messages)
+            finally:
+                self._reserve(-n)
+            full = not self._shared or len(result.messages) == n
             if result.messages:
-                crash_point("after_fetch")
                 idle, silent, idle_since = _IDLE_MIN, 0, None
-                self._dispatch(result.messages)
-                if self._gather > 0 and len(result.messages) < min(self._batch_size, free):
+                if self._gather > 0 and len(result.messages) < n:
                     await self._gather_arrivals()
                 continue
             if result.outcome == "stopped":
@@ -475,16 +488,20 @@ class PullLoop:
         handing any over, and hand them over as one batch in stream order."""
         limit = min(due, self._limit - self._in_flight())
         got: list[Msg] = []
-        while len(got) < limit and not self._stop.is_set():
-            result = await self.source.fetch(min(self._batch_size, limit - len(got)), self._stop)
-            got += result.messages
-            for msg in result.surplus:
-                await self._nak(msg)
-            if result.outcome != "messages" or any(m.metadata.num_delivered == 1 for m in result.messages):
-                break  # nothing more is due, or a new command: every redelivery came first
-        if got:
-            log.info("consumer %s: took back %d of %d held by the previous owner", self.source.durable, len(got), due)
-            self._dispatch(sorted(got, key=lambda m: m.metadata.sequence.stream))
+        self._reserve(limit)
+        try:
+            while len(got) < limit and not self._stop.is_set():
+                result = await self.source.fetch(min(self._batch_size, limit - len(got)), self._stop)
+                got += result.messages
+                for msg in result.surplus:
+                    await self._nak(msg)
+                if result.outcome != "messages" or any(m.metadata.num_delivered == 1 for m in result.messages):
+                    break  # nothing more is due, or a new command: every redelivery came first
+            if got:
+                log.info("consumer %s: took back %d of %d held by the previous owner", self.source.durable, len(got), due)
+                self._dispatch(sorted(got, key=lambda m: m.metadata.sequence.stream))
+        finally:
+            self._reserve(-limit)
 
     async def _paused(self) -> None:
         """Fetch nothing while an outage holds the work (what is held is kept alive)."""

@@ -41,7 +41,7 @@ from meshforge.topology.scope import Scope, tenant_conflict
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
 
-__all__ = ["Limits", "Processor", "Workers"]
+__all__ = ["Budget", "Limits", "Processor", "Workers"]
 
 log = logging.getLogger("meshforge.consumer")
 
@@ -211,12 +211,49 @@ def _tenant_conflict(delivery: Delivery) -> str | None:
     return None
 
 
-class Workers:
-    """The tasks working on held messages, and the capacity they leave free."""
+class Budget:
+    """Room for held messages shared by the consumers that feed one engine (a worker's
+    partitions in one lane): each fetches only what the lane has room for.
 
-    def __init__(self, consumer: str, metrics: Metrics, stop: asyncio.Event) -> None:
+    Without it each of a lane's durables held the engine's ``max_held``: 16 partitions
+    on one worker held 16 times what the lane's transactions could reach within a first
+    ack wait, and every one of them was kept alive with ``in_progress`` meanwhile (a
+    beat a third of an ack wait for each). A pause of the machine then let the server
+    hand thousands out again.
+    """
+
+    __slots__ = ("_waiters", "held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        #: Messages held, and asked for by fetches still under way (so two consumers of
+        #: the lane fetching at once cannot both take the same room).
+        self.held = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def take(self, n: int) -> None:
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def wake_me(self, waiter: asyncio.Future[None]) -> None:
+        """``waiter`` is resolved at the next ``give``."""
+        self._waiters.append(waiter)
+
+
+class Workers:
+    """The tasks working on held messages, and the capacity they leave free (the
+    consumer's own, or with a ``Budget`` the room its engine's lane has left)."""
+
+    def __init__(self, consumer: str, metrics: Metrics, stop: asyncio.Event, budget: Budget | None = None) -> None:
         self.consumer = consumer
         self._stop = stop
+        self._budget = budget
         self._tasks: dict[asyncio.Task[None], list[Msg]] = {}
         self._held = 0  # messages in self._tasks, kept as a count: read on every fetch
         # Who waits in ``wait_free``: woken when a task ends or the stop is set. A future
@@ -230,17 +267,38 @@ class Workers:
         """Messages held now (being handled or waiting for their decision to be sent)."""
         return self._held
 
+    @property
+    def shared(self) -> bool:
+        """Its room is a lane's ``Budget``, shared with other consumers."""
+        return self._budget is not None
+
+    @property
+    def load(self) -> int:
+        """What a fetch's room is counted against: the lane's held messages with a
+        ``Budget``, else this consumer's."""
+        return self._budget.held if self._budget is not None else self._held
+
+    def reserve(self, n: int) -> None:
+        """A fetch of ``n`` starts (``-n``: it ended): its room is the lane's meanwhile."""
+        if self._budget is not None:
+            self._budget.take(n) if n > 0 else self._budget.give(-n)
+
     def spawn(self, work: Coroutine[Any, Any, None], msgs: list[Msg]) -> None:
         """Run ``work`` for ``msgs`` in a task; they count as in flight until it ends."""
         task = asyncio.create_task(work)
         self._tasks[task] = msgs
         self._held += len(msgs)
+        if self._budget is not None:
+            self._budget.take(len(msgs))
         self._gauge.set(self._held)
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
-        self._held -= len(self._tasks.pop(task, ()))
+        n = len(self._tasks.pop(task, ()))
+        self._held -= n
         self._gauge.set(self._held)
+        if self._budget is not None:
+            self._budget.give(n)
         self._wake()
         if not task.cancelled() and task.exception() is not None:
             log.error("consumer %s: worker failed", self.consumer, exc_info=task.exception())
@@ -256,12 +314,14 @@ class Workers:
         self._wake()
 
     async def wait_free(self, limit: int) -> bool:
-        """Wait until fewer than ``limit`` are in flight; False when stopping."""
-        while self._held >= limit and not self._stop.is_set():
+        """Wait until fewer than ``limit`` are in flight (``load``); False when stopping."""
+        while self.load >= limit and not self._stop.is_set():
             if self._stop_watch is None or self._stop_watch.done():
                 self._stop_watch = asyncio.ensure_future(self._wake_at_stop())
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
+            if self._budget is not None:
+                self._budget.wake_me(waiter)  # another consumer of the lane freed room
             try:
                 await waiter
             except asyncio.CancelledError:

@@ -36,6 +36,7 @@ from typing import Any
 from meshforge.config import Settings, load_settings
 from meshforge.consume.consumer import Consumer
 from meshforge.consume.decisions import Decision, Delivery, Handler
+from meshforge.consume.work import Budget
 from meshforge.deadletters.route import REASONS
 from meshforge.errors import ConfigError, one_line
 from meshforge.ops.observability import HttpEndpoint, Metrics, serve_http
@@ -164,6 +165,9 @@ class _Partitions:
         self.conn, self.specs, self.engines = conn, specs, engines
         self.publisher, self.settings, self.metrics = publisher, settings, metrics
         self.lanes: dict[str, int] = {}
+        # A lane's partitions share its room for held commands: what one engine can reach
+        # within an ack wait, not that once for each of its durables.
+        self.budgets = [Budget(engine.max_held) for engine in engines]
         self.consumers: dict[str, Consumer] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -181,7 +185,7 @@ class _Partitions:
             self.conn, tenure.spec, batch_handler=engine.handle, settings=self.settings,
             metrics=self.metrics, publisher=self.publisher, provision=False,
             batch_size=engine.fetch_size, max_held=engine.max_held, max_deliver=None,
-            owner=tenure, pause=engine.kill_switch,
+            owner=tenure, pause=engine.kill_switch, budget=self.budgets[lane],
         )  # fmt: skip
         self.consumers[slot] = consumer
         self.tasks[slot] = asyncio.create_task(self._run(tenure, consumer))
