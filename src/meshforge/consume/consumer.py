@@ -190,6 +190,7 @@ class Consumer:
         self._running = False
         #: With a budget (shared by the consumers feeding one engine), ``max_held`` is the
         #: lane's: this consumer fetches only what the lane has room for.
+        self._budget = budget
         self._workers = Workers(self.durable, self.metrics, self._stop, budget)
         self._deliver: tuple[str, str] = ("", "")
         self._processor: Processor | None = None
@@ -398,7 +399,7 @@ class Consumer:
             owner=self.owner,
             gather=_GATHER if batch else 0.0,
             pause=self.pause,
-            reserve=workers.reserve if workers.shared else None,
+            reserve=self._budget.add if self._budget is not None else None,
         )
         self.ready.set()
         log.info("consumer %s/%s pulling", self.stream, self.durable)

@@ -211,6 +211,12 @@ def _tenant_conflict(delivery: Delivery) -> str | None:
     return None
 
 
+def _wake_all(waiters: list[asyncio.Future[None]]) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)
+
+
 class Budget:
     """Room for held messages shared by the consumers that feed one engine (a worker's
     partitions in one lane): each fetches only what the lane has room for.
@@ -222,27 +228,24 @@ class Budget:
     hand thousands out again.
     """
 
-    __slots__ = ("_waiters", "held", "limit")
+    __slots__ = ("_waiters", "held")
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self) -> None:
         #: Messages held, and asked for by fetches still under way (so two consumers of
-        #: the lane fetching at once cannot both take the same room).
+        #: the lane fetching at once cannot both take the same room). The limit is each
+        #: consumer's ``max_held``: the engine's.
         self.held = 0
         self._waiters: list[asyncio.Future[None]] = []
 
-    def take(self, n: int) -> None:
+    def add(self, n: int) -> None:
+        """``n`` more held or asked for (fewer, if negative: that wakes the waiters)."""
         self.held += n
-
-    def give(self, n: int) -> None:
-        self.held -= n
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        if n < 0:
+            waiters, self._waiters = self._waiters, []
+            _wake_all(waiters)
 
     def wake_me(self, waiter: asyncio.Future[None]) -> None:
-        """``waiter`` is resolved at the next ``give``."""
+        """``waiter`` is resolved when room is next freed."""
         self._waiters.append(waiter)
 
 
@@ -268,20 +271,10 @@ class Workers:
         return self._held
 
     @property
-    def shared(self) -> bool:
-        """Its room is a lane's ``Budget``, shared with other consumers."""
-        return self._budget is not None
-
-    @property
     def load(self) -> int:
         """What a fetch's room is counted against: the lane's held messages with a
         ``Budget``, else this consumer's."""
         return self._budget.held if self._budget is not None else self._held
-
-    def reserve(self, n: int) -> None:
-        """A fetch of ``n`` starts (``-n``: it ended): its room is the lane's meanwhile."""
-        if self._budget is not None:
-            self._budget.take(n) if n > 0 else self._budget.give(-n)
 
     def spawn(self, work: Coroutine[Any, Any, None], msgs: list[Msg]) -> None:
         """Run ``work`` for ``msgs`` in a task; they count as in flight until it ends."""
@@ -289,7 +282,7 @@ class Workers:
         self._tasks[task] = msgs
         self._held += len(msgs)
         if self._budget is not None:
-            self._budget.take(len(msgs))
+            self._budget.add(len(msgs))
         self._gauge.set(self._held)
         task.add_done_callback(self._done)
 
@@ -298,16 +291,14 @@ class Workers:
         self._held -= n
         self._gauge.set(self._held)
         if self._budget is not None:
-            self._budget.give(n)
+            self._budget.add(-n)
         self._wake()
         if not task.cancelled() and task.exception() is not None:
             log.error("consumer %s: worker failed", self.consumer, exc_info=task.exception())
 
     def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        _wake_all(waiters)
 
     async def _wake_at_stop(self) -> None:
         await self._stop.wait()

@@ -167,7 +167,7 @@ class _Partitions:
         self.lanes: dict[str, int] = {}
         # A lane's partitions share its room for held commands: what one engine can reach
         # within an ack wait, not that once for each of its durables.
-        self.budgets = [Budget(engine.max_held) for engine in engines]
+        self.budgets = [Budget() for _ in engines]
         self.consumers: dict[str, Consumer] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
