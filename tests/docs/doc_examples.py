@@ -319,11 +319,14 @@ _MASKS = [
     (re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"), "<id>"),
     (re.compile(r"\b[0-9a-f]{32}\b"), "<hex>"),
     (re.compile(r"\b[0-9a-f]{16}\b"), "<hex>"),
-    (re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?Z?"), "<time>"),
+    # Every moment the CLI prints: RFC 3339, a log line's stamp, `dlq ls`'s `MM-DD HH:MM:SS`.
+    (re.compile(r"\b(?:\d{4}-)?\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:\d\d)?"), "<time>"),
     (re.compile(r"\b\d\d:\d\d:\d\d(?:\.\d+)?"), "<time>"),
     (re.compile(r"127\.0\.0\.1:\d+"), "127.0.0.1:<port>"),
     (re.compile(r"\bpid \d+"), "pid <pid>"),
-    (re.compile(r"\d+(?:\.\d+)?s ago"), "<n>s ago"),
+    # Ages and measured durations: `7.1s ago`, `ctl nodes`'s AGO column `1.6s`.
+    (re.compile(r"\b\d+(?:\.\d+)?s ago"), "<n>s ago"),
+    (re.compile(r"\b\d+\.\d+s\b"), "<n>s"),
     (re.compile(r"[─━═]+"), "─"),
 ]
 

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import re
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from doc_examples import ROOT, Session, check_commands, check_fragment, evaluate, matches, parse
+from doc_examples import (
+    DOCUMENTS,
+    ROOT,
+    Session,
+    check_commands,
+    check_fragment,
+    evaluate,
+    matches,
+    parse,
+    steps,
+)
 
 from meshforge.ops.settings_table import BEGIN, END, render
 
@@ -64,3 +76,57 @@ def test_a_marker_without_a_reason_is_refused(tmp_path: Path) -> None:
     doc.write_text("<!-- docs-test: skip -->\n```console\n$ meshforge dlq ls\n```\n")
     with pytest.raises(ValueError, match="needs a reason"):
         parse(doc)
+
+
+# Every form of a moment the CLI prints, with the format that writes it again at another time.
+_MOMENTS = [
+    (re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z"), "%Y-%m-%dT%H:%M:%S.%fZ"),
+    (re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"), "%Y-%m-%dT%H:%M:%SZ"),
+    (re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"), "%Y-%m-%d %H:%M:%S,123"),
+    (re.compile(r"(?<![\d-])\d\d-\d\d \d\d:\d\d:\d\d"), "%m-%d %H:%M:%S"),
+    (re.compile(r"(?<![\d:])\d\d:\d\d:\d\d\.\d{3}"), "%H:%M:%S.456"),
+]
+_AGES = re.compile(r"\b\d+\.\ds\b")
+
+
+def _at(text: str, moment: datetime, age: str) -> str:
+    """``text`` as if captured at ``moment``: every printed moment and age rewritten."""
+    for pattern, form in _MOMENTS:
+        text = pattern.sub(moment.strftime(form), text)
+    return _AGES.sub(age, text)
+
+
+def _captured() -> list[tuple[str, str]]:
+    """Every (document, shown output) of the documents that holds a printed moment."""
+    found = []
+    for path in DOCUMENTS:
+        for command, shown in steps(path.read_text()):
+            if any(pattern.search(shown) for pattern, _ in _MOMENTS):
+                found.append((f"{path.name}: $ {command}", shown))
+    return found
+
+
+@pytest.mark.parametrize(
+    "moment",
+    [
+        datetime(2026, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),  # the last moment of a year
+        datetime(2027, 1, 1, 0, 0, 0, tzinfo=UTC),  # and the first of the next
+        datetime(2027, 3, 31, 9, 5, 1, tzinfo=UTC),  # a 31st
+        datetime(2028, 2, 29, 12, 0, 0, 1, tzinfo=UTC),  # a leap day
+    ],
+    ids=str,
+)
+def test_the_documents_outputs_match_on_any_date(moment: datetime) -> None:
+    captured = _captured()
+    # The sessions that print `dlq ls` tables, logs and `ctl status` are among them.
+    assert len(captured) >= 10, captured
+    assert any("When (UTC)" in shown for _, shown in captured)
+    for where, shown in captured:
+        assert matches(shown, _at(shown, moment, "12.5s")), where
+
+
+def test_a_masked_moment_still_leaves_the_rest_compared() -> None:
+    shown = "┃ 3 ┃ error ┃ 1 ┃ cmd.default.demo.order.create ┃ 11-27 11:40:26 ┃"
+    assert matches(shown, shown.replace("11-27 11:40:26", "01-01 00:00:00"))
+    assert not matches(shown, shown.replace("order.create", "order.cancel"))
+    assert not matches("seq 3 at 12-31 23:59:59", "seq 4 at 12-31 23:59:59")
