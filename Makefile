@@ -33,6 +33,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

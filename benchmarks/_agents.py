@@ -52,7 +52,9 @@ BARE_LOOPS, FASTSTREAMS = ("raw", "raw-serial"), ("fs", "fs-workers")
 OUR = {"mf", "pg", "mf-uvloop"}
 OUTPUT_STREAMS = {k: STREAM_EVENTS if k in OUR else STREAM_OUT for k in LABELS}
 SUBJECTS = {
-    k: ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked") if k in OUR else ("bench.in", "bench.out")
+    k: ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked")
+    if k in OUR
+    else ("bench.in", "bench.out")
     for k in LABELS
 }
 
@@ -82,7 +84,9 @@ class Tap:
             self.full.set()
 
 
-async def count_outputs(b: Bench, n: int, within: float, period: float = 0.005) -> tuple[float, float]:
+async def count_outputs(
+    b: Bench, n: int, within: float, period: float = 0.005
+) -> tuple[float, float]:
     """(when the first output was stored, when the ``n``-th was), monotonic, from the output
     stream's message count every ``period`` seconds.
 
@@ -103,7 +107,9 @@ async def count_outputs(b: Bench, n: int, within: float, period: float = 0.005) 
         if stored >= n:
             return first, now
         if now > deadline:
-            raise SystemExit(f"{b.kind}: {stored} of {n} outputs within {within:g}s\n{b.log_tail()}")
+            raise SystemExit(
+                f"{b.kind}: {stored} of {n} outputs within {within:g}s\n{b.log_tail()}"
+            )
         await asyncio.sleep(period)  # polling the stream's count with a deadline
 
 
@@ -136,19 +142,33 @@ class Bench:
             return
         await js.add_stream(name=STREAM_IN, subjects=["bench.in"])
         await js.add_stream(name=STREAM_OUT, subjects=["bench.out"])
-        await js.add_consumer(STREAM_IN, durable_name=DURABLE, ack_policy="explicit", max_ack_pending=1000)
+        await js.add_consumer(
+            STREAM_IN, durable_name=DURABLE, ack_policy="explicit", max_ack_pending=1000
+        )
 
     def start(self) -> None:
         inp, out = self.subjects
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        }
         if self.kind in OUR:
             env["MESHFORGE_LOG_LEVEL"] = "WARNING"
             store = self.store_url or f"sqlite:///{self.work / 'store.db'}"
-            args = meshforge_command("run", "_variants:EchoAgent", "--store", store, "--nats-url", self.server.url)
+            args = meshforge_command(
+                "run", "_variants:EchoAgent", "--store", store, "--nats-url", self.server.url
+            )
             if self.kind == "mf-uvloop":  # its event-loop policy, which asyncio.run follows
                 args[2] = "import uvloop; uvloop.install(); " + args[2]
         else:
-            args = [sys.executable, str(HERE / "_variants.py"), self.kind, self.server.url, inp, out]
+            args = [
+                sys.executable,
+                str(HERE / "_variants.py"),
+                self.kind,
+                self.server.url,
+                inp,
+                out,
+            ]
         log = (self.work / f"{self.kind}.log").open("ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE)
 
@@ -188,7 +208,9 @@ async def bench(kind: str, work: Path) -> AsyncIterator[Bench]:
     with EmbeddedServer(store_dir=work / "nats") as server, ExitStack() as stack:
         # MeshForge's client: it parses headers (every output of ours has several) for a
         # fraction of nats-py's cost, on the cores the measured worker runs on.
-        conn = await connect(load_settings({"nats_url": server.url}, env={}), url=server.url, name="bench")
+        conn = await connect(
+            load_settings({"nats_url": server.url}, env={}), url=server.url, name="bench"
+        )
         b = Bench(kind, server, conn.nc, work)
         try:
             if kind == "pg":

@@ -81,7 +81,12 @@ class CpuMeter:
         self._before = _process_cpu() if Path("/proc/self/stat").exists() else {}
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if not self._before:
             return
         self.seconds = dict.fromkeys(self.groups, 0.0)

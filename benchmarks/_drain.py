@@ -120,7 +120,14 @@ async def publish_backlog(url: str, n: int) -> None:
     blob = "x" * 128
     for start in range(0, n, CHUNK):
         items = [
-            Outbound.of(SUBJECT, Envelope.new("drain.work", {"id": f"c{i}", "r": f"r{i % RESOURCES}", "blob": blob}, id=f"c{i}"))
+            Outbound.of(
+                SUBJECT,
+                Envelope.new(
+                    "drain.work",
+                    {"id": f"c{i}", "r": f"r{i % RESOURCES}", "blob": blob},
+                    id=f"c{i}",
+                ),
+            )
             for i in range(start, min(n, start + CHUNK))
         ]
         await publisher.publish_many(items)
@@ -128,7 +135,12 @@ async def publish_backlog(url: str, n: int) -> None:
 
 
 async def drain(
-    n: int, values: dict[str, Any], *, every: float = 2.0, limit: float = 3600.0, probe_store: bool = False,
+    n: int,
+    values: dict[str, Any],
+    *,
+    every: float = 2.0,
+    limit: float = 3600.0,
+    probe_store: bool = False,
     enough: float | None = None,
 ) -> Drained:
     """Publish ``n`` commands, run one worker with ``values`` as its settings, sample it;
@@ -143,10 +155,15 @@ async def drain(
             js = nc.jetstream()
             await ensure(js, default_streams(settings), [agent_consumer("drain", settings)])
             await publish_backlog(server.url, n)
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+            }
             env.update({f"MESHFORGE_{k.upper()}": str(v) for k, v in values.items()})
             env["MESHFORGE_LOG_LEVEL"] = "WARNING"
-            args = meshforge_command("run", "_drain:DrainAgent", "--store", f"sqlite:///{db}", "--nats-url", server.url)
+            args = meshforge_command(
+                "run", "_drain:DrainAgent", "--store", f"sqlite:///{db}", "--nats-url", server.url
+            )
             log = (work / "worker.log").open("ab")
             proc = await asyncio.to_thread(
                 subprocess.Popen, args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE
@@ -157,13 +174,19 @@ async def drain(
                 while True:
                     await asyncio.sleep(every)
                     if proc.poll() is not None:
-                        raise SystemExit(f"the worker exited ({proc.returncode}):\n{(work / 'worker.log').read_text()[-2000:]}")
+                        raise SystemExit(
+                            f"the worker exited ({proc.returncode}):\n{(work / 'worker.log').read_text()[-2000:]}"
+                        )
                     info = await js.consumer_info(STREAM_COMMANDS, "drain_consumer")
                     done = n - info.num_pending - info.num_ack_pending
                     elapsed = time.monotonic() - started
                     sample = Sample(elapsed, done, rss_mb(proc.pid), store_bytes(db))
                     if probe_store:
-                        sample.effects, sample.retained_bytes, sample.kept_bytes = await asyncio.to_thread(probe, db)
+                        (
+                            sample.effects,
+                            sample.retained_bytes,
+                            sample.kept_bytes,
+                        ) = await asyncio.to_thread(probe, db)
                     result.samples.append(sample)
                     if done >= n or (enough is not None and elapsed >= enough):
                         result.n, result.seconds = done, elapsed
@@ -184,7 +207,9 @@ async def drain(
 def quarter_max(samples: list[Sample], value: str, quarter: int) -> float:
     """The largest ``value`` among the samples of one quarter (0-3) of the run's progress."""
     n = max(s.done for s in samples) or 1
-    inside = [getattr(s, value) for s in samples if quarter * n / 4 <= s.done <= (quarter + 1) * n / 4]
+    inside = [
+        getattr(s, value) for s in samples if quarter * n / 4 <= s.done <= (quarter + 1) * n / 4
+    ]
     return max(inside) if inside else 0.0
 
 

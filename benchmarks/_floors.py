@@ -13,7 +13,9 @@ import json
 TAG = "@floor "
 
 
-def floor(fid: str, what: str, value: str, target: str, *, met: bool | None, note: str = "") -> None:
+def floor(
+    fid: str, what: str, value: str, target: str, *, met: bool | None, note: str = ""
+) -> None:
     """Print one floor's figure (``value`` as shown, e.g. "0.93x") for ``run_all.py``."""
     line = {"id": fid, "what": what, "value": value, "target": target, "met": met, "note": note}
     print(TAG + json.dumps(line), flush=True)

@@ -102,7 +102,9 @@ async def faststream(url: str, in_subject: str, out_subject: str, style: str) ->
     stream = JStream(STREAM_IN, declare=False)
     workers = {"max_workers": FS_WORKERS} if style == "workers" else {}
 
-    @broker.subscriber(in_subject, stream=stream, durable=DURABLE, pull_sub=PullSub(batch_size=FETCH), **workers)
+    @broker.subscriber(
+        in_subject, stream=stream, durable=DURABLE, pull_sub=PullSub(batch_size=FETCH), **workers
+    )
     @broker.publisher(out_subject, stream=STREAM_OUT)
     async def handle(cmd: dict[str, Any]) -> dict[str, Any]:
         p = cmd["payload"]
@@ -152,7 +154,13 @@ async def load(url: str, subject: str, rate: float, seconds: float, blob: str) -
     await nc.close()
     lags.sort()
     pick = lags.__getitem__
-    print(LAG_TAG + json.dumps({"p50": pick(len(lags) // 2), "p99": pick(int(0.99 * len(lags))), "max": lags[-1]}), flush=True)
+    print(
+        LAG_TAG
+        + json.dumps(
+            {"p50": pick(len(lags) // 2), "p99": pick(int(0.99 * len(lags))), "max": lags[-1]}
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
@@ -160,7 +168,11 @@ if __name__ == "__main__":
     if kind in ("raw", "raw-serial"):
         asyncio.run(raw(url, rest[1], LANES if kind == "raw" else 1))
     elif kind.startswith("fs"):
-        asyncio.run(faststream(url, rest[0], rest[1], {"fs": "per-message"}.get(kind, kind.removeprefix("fs-"))))
+        asyncio.run(
+            faststream(
+                url, rest[0], rest[1], {"fs": "per-message"}.get(kind, kind.removeprefix("fs-"))
+            )
+        )
     elif kind == "load":
         asyncio.run(load(url, rest[0], float(rest[1]), float(rest[2]), "x" * int(rest[3])))
     else:

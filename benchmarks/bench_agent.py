@@ -43,7 +43,9 @@ async def run_once(kind: str, n: int, work: Path) -> tuple[float, float]:
     async with bench(kind, work) as b:
         inp, _ = b.subjects
         blob = "x" * BODY_SIZE
-        await Publisher(b.nc.jetstream()).publish_many([Outbound.of(inp, command_body(blob)) for _ in range(n)])
+        await Publisher(b.nc.jetstream()).publish_many(
+            [Outbound.of(inp, command_body(blob)) for _ in range(n)]
+        )
         b.start()
         assert b.proc is not None
         first, last = await count_outputs(b, n, 600)
@@ -65,12 +67,19 @@ async def main(n: int, rounds: int, kinds: list[str]) -> None:
                 cpus[kind].append(cpu)
                 console.print(f"round {r + 1} {kind}: {rate:,.0f} cmd/s, {cpu:.0f} us CPU/cmd")
     med = {k: statistics.median(v) for k, v in rates.items()}
-    table = Table(title=f"backlog of {n:,} commands, one output each, median of {rounds} ({machine()})")
+    table = Table(
+        title=f"backlog of {n:,} commands, one output each, median of {rounds} ({machine()})"
+    )
     for col in ("variant", "cmd/s", "worker CPU/cmd", "MeshForge vs it"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for kind in kinds:
         ratio = med["mf"] / med[kind] if "mf" in med else 0.0
-        table.add_row(LABELS[kind], f"{med[kind]:,.0f}", f"{statistics.median(cpus[kind]):.0f} us", f"{ratio:.2f}x")
+        table.add_row(
+            LABELS[kind],
+            f"{med[kind]:,.0f}",
+            f"{statistics.median(cpus[kind]):.0f} us",
+            f"{ratio:.2f}x",
+        )
     console.print(table)
     if "mf" not in med:
         return
@@ -89,17 +98,24 @@ async def main(n: int, rounds: int, kinds: list[str]) -> None:
     if streams:
         best = max(streams, key=streams.__getitem__)
         ratio = med["mf"] / streams[best]
-        plain = f"; the strongest nats-py loop {max(loops.values()) / streams[best]:.2f}x it" if loops else ""
+        plain = (
+            f"; the strongest nats-py loop {max(loops.values()) / streams[best]:.2f}x it"
+            if loops
+            else ""
+        )
         floor("F2", "exactly-once agent vs FastStream as documented (the faster), backlog", f"{ratio:.2f}x",
               f">= {F2_FLOOR}x", met=ratio >= F2_FLOOR,
               note=f"{med['mf']:,.0f} vs {streams[best]:,.0f} cmd/s ({LABELS[best]}){plain}")  # fmt: skip
+
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="n = 2,000, one round")
-    parser.add_argument("--only", default="mf,raw,raw-serial,fs,fs-workers,pg", help="variants, comma-separated")
+    parser.add_argument(
+        "--only", default="mf,raw,raw-serial,fs,fs-workers,pg", help="variants, comma-separated"
+    )
     args = parser.parse_args()
     n, rounds = (2_000, 1) if args.quick else (args.n, args.rounds)
     asyncio.run(main(n, rounds, args.only.split(",")))

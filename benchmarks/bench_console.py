@@ -73,7 +73,11 @@ async def stored_at_least(conn: Connection, count: int) -> int:
 
 def start_console(url: str, home: Path) -> tuple[subprocess.Popen[bytes], str]:
     out = home / "console.out"
-    env = {**os.environ, "MESHFORGE_CONSOLE_OPERATOR_TOKEN": TOKEN, "MESHFORGE_LOG_LEVEL": "WARNING"}
+    env = {
+        **os.environ,
+        "MESHFORGE_CONSOLE_OPERATOR_TOKEN": TOKEN,
+        "MESHFORGE_LOG_LEVEL": "WARNING",
+    }
     with out.open("wb") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "meshforge", "console", "--port", "0", "--nats-url", url],

@@ -39,7 +39,9 @@ async def fill(js: JetStreamContext, name: str, n: int) -> None:
     payload = {"blob": "x" * BODY_SIZE}
     items = [Outbound.of(f"bench.{name}", Envelope.new("bench.consume", payload)) for _ in range(n)]
     await Publisher(js).publish_many(items)
-    await js.add_consumer(name.upper(), durable_name=f"{name}_durable", ack_policy="explicit", max_ack_pending=1000)
+    await js.add_consumer(
+        name.upper(), durable_name=f"{name}_durable", ack_policy="explicit", max_ack_pending=1000
+    )
 
 
 async def main(n: int, repeat: int) -> None:
@@ -72,7 +74,13 @@ async def main(n: int, repeat: int) -> None:
                     done.set()
                 return None
 
-            consumer = Consumer(conn, f"{name.upper()}/{name}_durable", handler=handle, settings=settings, metrics=Metrics())
+            consumer = Consumer(
+                conn,
+                f"{name.upper()}/{name}_durable",
+                handler=handle,
+                settings=settings,
+                metrics=Metrics(),
+            )
             task = asyncio.create_task(consumer.run())
             await done.wait()
             await consumer.stop()
@@ -99,7 +107,11 @@ async def main(n: int, repeat: int) -> None:
             await done.wait()
             await broker.stop()
 
-        variants = {"nats-py pull loop": raw, "FastStream pull subscriber": fs, "MeshForge Consumer": mf}
+        variants = {
+            "nats-py pull loop": raw,
+            "FastStream pull subscriber": fs,
+            "MeshForge Consumer": mf,
+        }
         best: dict[str, float] = {}
         for round_ in range(repeat):  # each round drains fresh copies; the best round counts
             for index, (label, variant) in enumerate(variants.items()):
@@ -119,7 +131,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--n", type=int, default=40_000)
     parser.add_argument("--quick", action="store_true", help="n = 2,000")
-    parser.add_argument("--repeat", type=int, default=2, help="rounds; the best of each variant counts")
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="rounds; the best of each variant counts"
+    )
     args = parser.parse_args()
     asyncio.run(main(2_000 if args.quick else args.n, args.repeat))
     console.print("every variant drained its consumer")

@@ -60,12 +60,17 @@ async def run_once(kind: str, rate: int, seconds: float, work: Path) -> tuple[Fi
         probe = asyncio.Event()
         tap.wanted = 1
         tap.full = probe
-        await Publisher(b.nc.jetstream()).publish(inp, command_body("x" * BODY_SIZE, time.monotonic()))
+        await Publisher(b.nc.jetstream()).publish(
+            inp, command_body("x" * BODY_SIZE, time.monotonic())
+        )
         await wait_for(probe, 60, "a first output", b)
         tap.wanted, tap.full = total + 1, asyncio.Event()
         tap.latencies.clear()
         tap.sent.clear()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        }
         gen = await asyncio.create_subprocess_exec(
             sys.executable, str(HERE / "_variants.py"), "load", b.server.url, inp, str(rate), str(seconds), str(BODY_SIZE),
             env=env, stdout=asyncio.subprocess.PIPE,
@@ -74,13 +79,26 @@ async def run_once(kind: str, rate: int, seconds: float, work: Path) -> tuple[Fi
             await wait_for(tap.full, seconds + 60, f"{total} outputs", b)
         finally:
             out, _ = await asyncio.wait_for(gen.communicate(), 30)
-        lag = next((json.loads(line[len(LAG_TAG) :]) for line in out.decode().splitlines() if line.startswith(LAG_TAG)), None)
+        lag = next(
+            (
+                json.loads(line[len(LAG_TAG) :])
+                for line in out.decode().splitlines()
+                if line.startswith(LAG_TAG)
+            ),
+            None,
+        )
         if gen.returncode or lag is None:
             raise SystemExit(f"{kind}: the load generator failed (exit {gen.returncode})")
         # Commands due after the warm-up; each latency from its due time (its stamp).
         first = min(tap.sent)
-        counted = [lat for lat, sent in zip(tap.latencies, tap.sent, strict=True) if sent >= first + WARMUP]
-        figures = (*(percentile(counted, q) * 1e3 for q in QUANTILES), lag["p99"] * 1e3, lag["max"] * 1e3)
+        counted = [
+            lat for lat, sent in zip(tap.latencies, tap.sent, strict=True) if sent >= first + WARMUP
+        ]
+        figures = (
+            *(percentile(counted, q) * 1e3 for q in QUANTILES),
+            lag["p99"] * 1e3,
+            lag["max"] * 1e3,
+        )
         return figures, len(counted)
 
 
@@ -98,16 +116,25 @@ async def main(rates: list[int], seconds: float, rounds: int, kinds: list[str]) 
         for r in range(rounds):
             for rate in rates if r == 0 else [max(rates)]:
                 for kind in kinds if r % 2 == 0 else list(reversed(kinds)):
-                    figures, n = await run_once(kind, rate, span(rate), Path(tmp) / f"{kind}{rate}r{r}")
+                    figures, n = await run_once(
+                        kind, rate, span(rate), Path(tmp) / f"{kind}{rate}r{r}"
+                    )
                     results.setdefault((kind, rate), []).append(figures)
                     console.print(f"round {r + 1} {kind} {rate}/s: {show(figures)} ({n:,} counted;"
                                   f" generator lag p99 {figures[4]:.2f}, max {figures[5]:.2f} ms)")  # fmt: skip
-    med = {key: tuple(statistics.median(f[i] for f in runs) for i in range(6)) for key, runs in results.items()}
-    table = Table(title=f"open-loop latency, due time to output arrival, median of the runs ({machine()})")
+    med = {
+        key: tuple(statistics.median(f[i] for f in runs) for i in range(6))
+        for key, runs in results.items()
+    }
+    table = Table(
+        title=f"open-loop latency, due time to output arrival, median of the runs ({machine()})"
+    )
     for col in ("variant", "rate", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "gen. lag p99/max ms"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for (kind, rate), f in med.items():
-        table.add_row(LABELS[kind], f"{rate:,}/s", *(f"{v:.2f}" for v in f[:4]), f"{f[4]:.2f} / {f[5]:.2f}")
+        table.add_row(
+            LABELS[kind], f"{rate:,}/s", *(f"{v:.2f}" for v in f[:4]), f"{f[4]:.2f} / {f[5]:.2f}"
+        )
     console.print(table)
     rate = F3_RATE if F3_RATE in rates else max(rates)
     ours, theirs = med.get(("mf", rate)), med.get(("fs", rate))
@@ -128,11 +155,15 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rates", default="1000")
     parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--rounds", type=int, default=3, help="runs at the highest rate; the median counts")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs at the highest rate; the median counts"
+    )
     # The serial nats-py loop: with two lanes a light load leaves commands for seconds in a
     # lane's pull (p99 4.9 s at 1,000/s in a 5-s run).
     parser.add_argument("--only", default="mf,fs,raw-serial", help="variants, comma-separated")
     parser.add_argument("--quick", action="store_true", help="5 s per run")
     args = parser.parse_args()
     seconds = 5.0 if args.quick else args.seconds
-    asyncio.run(main([int(r) for r in args.rates.split(",")], seconds, args.rounds, args.only.split(",")))
+    asyncio.run(
+        main([int(r) for r in args.rates.split(",")], seconds, args.rounds, args.only.split(","))
+    )

@@ -114,7 +114,9 @@ async def prepare(settings: Settings, count: int, resources: int) -> None:
         items = []
         for seq in range(count // resources):
             for r in range(resources):
-                env = Envelope.new(f"{AGENT}.step", {"seq": seq}, resource_id=f"r{r}", source="bench")
+                env = Envelope.new(
+                    f"{AGENT}.step", {"seq": seq}, resource_id=f"r{r}", source="bench"
+                )
                 items.append(Outbound.of(partitioned(SUBJECT, env, settings), env))
         await Publisher(conn.js, settings).publish_many(items)
 
@@ -128,7 +130,9 @@ def start_workers(settings: Settings, stores: list[str]) -> list[subprocess.Pope
     args = ["run", "_partition_agent:StepAgent", "--partitions", str(settings.partitions),
             "--nats-url", settings.nats_url or ""]  # fmt: skip
     command = [sys.executable, "-m", "meshforge", *args, "--store"]
-    return [subprocess.Popen([*command, store], env=env, stdout=subprocess.DEVNULL) for store in stores]
+    return [
+        subprocess.Popen([*command, store], env=env, stdout=subprocess.DEVNULL) for store in stores
+    ]
 
 
 async def settled(settings: Settings, workers: int, deadline: float) -> None:
@@ -150,7 +154,9 @@ async def settled(settings: Settings, workers: int, deadline: float) -> None:
             full = sum(owners.values()) == len(slots) and len(owners) == workers
             stable = stable + 1 if full and max(owners.values()) <= share else 0
             if time.monotonic() > deadline:
-                raise SystemExit(f"{workers} workers did not share out the partitions: {dict(owners)}")
+                raise SystemExit(
+                    f"{workers} workers did not share out the partitions: {dict(owners)}"
+                )
             await asyncio.sleep(0.5)  # polling the leases with a deadline
 
 
@@ -166,7 +172,9 @@ def kicks(settings: Settings) -> list[Outbound]:
         p = partition_of(f"{KICK}{n}", settings.partitions)
         if p in wanted:
             wanted.discard(p)
-            env = Envelope.new(f"{AGENT}.step", {"seq": 0}, resource_id=f"{KICK}{n}", source="bench")
+            env = Envelope.new(
+                f"{AGENT}.step", {"seq": 0}, resource_id=f"{KICK}{n}", source="bench"
+            )
             found[p] = Outbound.of(partitioned(SUBJECT, env, settings), env)
         n += 1
     return list(found.values())
@@ -183,7 +191,9 @@ async def drain(settings: Settings, count: int, deadline: float) -> float:
         await Publisher(conn.js, settings).publish_many(wake)
         while (info := await conn.js.stream_info(STREAM_EVENTS)).state.messages < count:
             if time.monotonic() > deadline:
-                raise SystemExit(f"only {info.state.messages} of {count} events before the deadline")
+                raise SystemExit(
+                    f"only {info.state.messages} of {count} events before the deadline"
+                )
             await asyncio.sleep(0.05)  # polling the stream's count with a deadline
         return time.time() - start
 
@@ -202,10 +212,14 @@ async def check_order(settings: Settings, count: int, resources: int) -> None:
     for resource, steps in by_resource.items():
         expected = [(s, s - 1) for s in range(per)]
         if steps != expected:
-            raise SystemExit(f"resource {resource}: applied {steps[:8]}..., expected {expected[:8]}...")
+            raise SystemExit(
+                f"resource {resource}: applied {steps[:8]}..., expected {expected[:8]}..."
+            )
     kept = sum(len(steps) for steps in by_resource.values())
     if len(by_resource) != resources or kept != count:
-        raise SystemExit(f"{kept} events over {len(by_resource)} resources, expected {count} over {resources}")
+        raise SystemExit(
+            f"{kept} events over {len(by_resource)} resources, expected {count} over {resources}"
+        )
 
 
 def machine_busy() -> float:
@@ -218,7 +232,9 @@ def machine_busy() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def one_run(server: EmbeddedServer, workers: int, count: int, resources: int, kind: str, tmp: Path) -> tuple[float, dict[str, float]]:
+def one_run(
+    server: EmbeddedServer, workers: int, count: int, resources: int, kind: str, tmp: Path
+) -> tuple[float, dict[str, float]]:
     settings = load_settings(
         {"nats_url": server.url, "partitions": PARTITIONS, "partition_lease": LEASE}, env={}
     )
@@ -228,7 +244,8 @@ def one_run(server: EmbeddedServer, workers: int, count: int, resources: int, ki
         asyncio.run(prepare(settings, count, resources))
         procs = start_workers(settings, stores)
         groups: dict[str, Callable[[int, str], bool]] = {
-            f"worker {i}": (lambda pid, cmd, mine=proc.pid: pid == mine) for i, proc in enumerate(procs, 1)
+            f"worker {i}": (lambda pid, cmd, mine=proc.pid: pid == mine)
+            for i, proc in enumerate(procs, 1)
         }
         groups["nats-server"] = lambda pid, cmd: pid == server.pid
         groups["store"] = lambda pid, cmd: cmd.startswith("postgres:") and marker in cmd
@@ -252,12 +269,18 @@ def one_run(server: EmbeddedServer, workers: int, count: int, resources: int, ki
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--count", type=int, default=60_000)
     parser.add_argument("--resources", type=int, default=1_000)
-    parser.add_argument("--store", choices=("postgres", "sqlite", "sqlite-per-worker"), default="postgres")
+    parser.add_argument(
+        "--store", choices=("postgres", "sqlite", "sqlite-per-worker"), default="postgres"
+    )
     parser.add_argument("--workers", default="1,2", help="worker counts besides 1, e.g. 2,4")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of each worker count; the median counts")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="rounds of each worker count; the median counts"
+    )
     parser.add_argument("--quick", action="store_true", help="count = 4,000")
     args = parser.parse_args()
     count = 4_000 if args.quick else args.count
@@ -267,9 +290,14 @@ def main() -> None:
     count -= count % args.resources
     sizes = sorted({1, *(int(w) for w in args.workers.split(","))})
     rounds: list[dict[int, tuple[float, dict[str, float]]]] = []
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(store_dir=Path(tmp) / "nats") as server:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        EmbeddedServer(store_dir=Path(tmp) / "nats") as server,
+    ):
         for _ in range(max(1, args.rounds)):
-            rounds.append({w: one_run(server, w, count, args.resources, args.store, Path(tmp)) for w in sizes})
+            rounds.append(
+                {w: one_run(server, w, count, args.resources, args.store, Path(tmp)) for w in sizes}
+            )
     table = Table(title=f"Partitions ({PARTITIONS}), {count:,} commands over {args.resources:,} resources, "
                         f"{args.store} store ({machine()})")  # fmt: skip
     for column in ("round", "workers", "seconds", "cmd/s", "speed-up", "each worker's CPU s (cores)",
@@ -294,7 +322,9 @@ def main() -> None:
                  f" nats-server {cpu.get('nats-server', 0):.1f} vs {one_cpu.get('nats-server', 0):.1f},"
                  f" {args.store} {cpu.get('store', 0):.1f} vs {one_cpu.get('store', 0):.1f};"
                  f" others {cpu.get('others', 0) / seconds:.2f} cores")  # fmt: skip
-        console.print(f"F5 {workers} workers vs 1: {ratio:.2f}x ({count / seconds:,.0f} vs {count / one_seconds:,.0f} cmd/s); {spent}")
+        console.print(
+            f"F5 {workers} workers vs 1: {ratio:.2f}x ({count / seconds:,.0f} vs {count / one_seconds:,.0f} cmd/s); {spent}"
+        )
         if workers == 2:
             floor("F5", f"2 workers vs 1, {PARTITIONS} partitions, shared {args.store}, order kept: plain speed-up",
                   f"{ratio:.2f}x", "reported", met=None, note=spent)  # fmt: skip
@@ -304,6 +334,7 @@ def per_worker(cpu: dict[str, float], seconds: float) -> str:
     """Each worker's CPU seconds and the cores that makes over the run."""
     mine = sorted((k, v) for k, v in cpu.items() if k.startswith("worker "))
     return " + ".join(f"{v:.1f} ({v / seconds:.2f})" for _, v in mine)
+
 
 if __name__ == "__main__":
     main()

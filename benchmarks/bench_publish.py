@@ -51,7 +51,14 @@ from meshforge.transport.server import EmbeddedServer
 
 PENDING = 256
 ROWS_PER_TX = 100
-VARIANTS = ("publish_async", "publish_many_nats", "publish_async_mf", "publish_many", "outbox", "relay")
+VARIANTS = (
+    "publish_async",
+    "publish_many_nats",
+    "publish_async_mf",
+    "publish_many",
+    "outbox",
+    "relay",
+)
 LABELS = {
     "publish_async": f"nats-py publish_async ({PENDING} pending), stock client",
     "publish_many_nats": f"MeshForge publish_many ({PENDING} in flight), stock client",
@@ -73,7 +80,9 @@ def fill_outbox(store: Store, subject: str, envs: list[Envelope]) -> None:
             enqueue_many(tx, [(subject, env) for env in envs[start : start + ROWS_PER_TX]])
 
 
-async def relay_all(relay: OutboxRelay, n: int, fill: Callable[[int], Awaitable[None]] | None) -> None:
+async def relay_all(
+    relay: OutboxRelay, n: int, fill: Callable[[int], Awaitable[None]] | None
+) -> None:
     """Run ``relay`` until it sent ``n`` rows; ``fill(start)`` enqueues the rows from ``start`` meanwhile."""
     task = asyncio.create_task(relay.run())
     if fill is not None:
@@ -89,7 +98,12 @@ async def relay_all(relay: OutboxRelay, n: int, fill: Callable[[int], Awaitable[
 
 
 async def run_variant(
-    variant: str, mf_js: JetStreamContext, async_js: JetStreamContext, subject: str, envs: list[Envelope], db: str,
+    variant: str,
+    mf_js: JetStreamContext,
+    async_js: JetStreamContext,
+    subject: str,
+    envs: list[Envelope],
+    db: str,
     mf_async_js: JetStreamContext,
 ) -> tuple[float, float]:
     """(wall seconds, this process's CPU seconds) of one variant publishing ``envs``."""
@@ -111,7 +125,9 @@ async def run_variant(
         await Publisher(async_js, metrics=Metrics()).publish_many(items, max_in_flight=PENDING)
     else:
         assert store is not None
-        relay = OutboxRelay(store, Publisher(mf_js, metrics=Metrics()), max_in_flight=PENDING, idle=0.05)
+        relay = OutboxRelay(
+            store, Publisher(mf_js, metrics=Metrics()), max_in_flight=PENDING, idle=0.05
+        )
 
         async def fill(start: int) -> None:
             await asyncio.to_thread(fill_outbox, store, subject, envs[start : start + ROWS_PER_TX])
@@ -124,8 +140,14 @@ async def run_variant(
 
 
 async def one_round(
-    js: JetStreamContext, mf_js: JetStreamContext, async_js: JetStreamContext, n: int, r: int, tmp: Path,
-    sync: str, mf_async_js: JetStreamContext,
+    js: JetStreamContext,
+    mf_js: JetStreamContext,
+    async_js: JetStreamContext,
+    n: int,
+    r: int,
+    tmp: Path,
+    sync: str,
+    mf_async_js: JetStreamContext,
 ) -> dict[str, tuple[float, float]]:
     out: dict[str, tuple[float, float]] = {}
     for variant in VARIANTS:
@@ -133,7 +155,9 @@ async def one_round(
         subject = f"bench.{name}"
         await js.add_stream(name=name.upper(), subjects=[subject], duplicate_window=120)
         db = f"sqlite:///{tmp / name}.db?synchronous={sync}"
-        out[variant] = await run_variant(variant, mf_js, async_js, subject, envelopes(n, name), db, mf_async_js)
+        out[variant] = await run_variant(
+            variant, mf_js, async_js, subject, envelopes(n, name), db, mf_async_js
+        )
         info = await js.stream_info(name.upper())
         assert info.state.messages == n, f"{name}: stored {info.state.messages} of {n}"
         await js.delete_stream(name.upper())
@@ -150,25 +174,43 @@ async def main(n: int, rounds: int, sync: str) -> None:
         mf_async_js = conn.nc.jetstream(publish_async_max_pending=PENDING)
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(rounds):
-                for variant, figures in (await one_round(js, conn.js, async_js, n, r, Path(tmp), sync, mf_async_js)).items():
+                for variant, figures in (
+                    await one_round(js, conn.js, async_js, n, r, Path(tmp), sync, mf_async_js)
+                ).items():
                     runs[variant].append(figures)
         await conn.close()
         await nc.close()
     rate = {v: statistics.median(n / w for w, _ in runs[v]) for v in VARIANTS}
     cpu = {v: statistics.median(c / n * 1e6 for _, c in runs[v]) for v in VARIANTS}
+
     def ratios_to(base: str) -> dict[str, float]:
         """Each variant over ``base``: the median of the per-round ratios."""
-        return {v: statistics.median(b[0] / w for (w, _), b in zip(runs[v], runs[base], strict=True)) for v in VARIANTS}
+        return {
+            v: statistics.median(b[0] / w for (w, _), b in zip(runs[v], runs[base], strict=True))
+            for v in VARIANTS
+        }
 
     stock, ours = ratios_to("publish_async"), ratios_to("publish_async_mf")
-    table = Table(title=f"publish with PubAck: {n:,} messages, median of {rounds} alternating rounds ({machine()})")
-    for col in ("variant", "msgs/s", "client CPU us/msg", "vs publish_async (stock)", "vs publish_async (ours)"):
+    table = Table(
+        title=f"publish with PubAck: {n:,} messages, median of {rounds} alternating rounds ({machine()})"
+    )
+    for col in (
+        "variant",
+        "msgs/s",
+        "client CPU us/msg",
+        "vs publish_async (stock)",
+        "vs publish_async (ours)",
+    ):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for v in VARIANTS:
-        table.add_row(LABELS[v], f"{rate[v]:,.0f}", f"{cpu[v]:.0f}", f"{stock[v]:.2f}x", f"{ours[v]:.2f}x")
+        table.add_row(
+            LABELS[v], f"{rate[v]:,.0f}", f"{cpu[v]:.0f}", f"{stock[v]:.2f}x", f"{ours[v]:.2f}x"
+        )
     console.print(table)
-    console.print("each variant stored exactly n messages; ratio = median of the per-round ratios;"
-                  f" outbox store: SQLite, synchronous={sync}")
+    console.print(
+        "each variant stored exactly n messages; ratio = median of the per-round ratios;"
+        f" outbox store: SQLite, synchronous={sync}"
+    )
     floor("S0", "publish_many vs publish_async, both on stock nats-py", f"{stock['publish_many_nats']:.2f}x", ">= 0.9x",
           met=stock["publish_many_nats"] >= 0.9)  # fmt: skip
     floor("S0", "publish_many vs publish_async, both on MeshForge's connection", f"{ours['publish_many']:.2f}x",
@@ -176,11 +218,17 @@ async def main(n: int, rounds: int, sync: str) -> None:
     floor("S0", "outbox (enqueue + relay) vs publish_async, MeshForge's connection", f"{ours['outbox']:.2f}x", ">= 0.5x",
           met=ours["outbox"] >= 0.5, note=f"relay alone {ours['relay']:.2f}x; SQLite synchronous={sync}")  # fmt: skip
 
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--sync", choices=("full", "normal"), default="full", help="the outbox store's SQLite synchronous")
+    parser.add_argument(
+        "--sync",
+        choices=("full", "normal"),
+        default="full",
+        help="the outbox store's SQLite synchronous",
+    )
     parser.add_argument("--quick", action="store_true", help="n = 2,000, 3 rounds")
     args = parser.parse_args()
     asyncio.run(main(2_000 if args.quick else args.n, 3 if args.quick else args.rounds, args.sync))

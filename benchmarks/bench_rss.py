@@ -33,9 +33,14 @@ async def main(count: int) -> None:
         table.add_row(f"{s.seconds:.0f}", f"{s.done:,}", f"{s.rss_mb:.0f}")
     console.print(table)
     peak = max(s.rss_mb for s in result.samples)
-    second, last = quarter_max(result.samples, "rss_mb", 1), quarter_max(result.samples, "rss_mb", 3)
+    second, last = (
+        quarter_max(result.samples, "rss_mb", 1),
+        quarter_max(result.samples, "rss_mb", 3),
+    )
     flat = last <= second * 1.10
-    console.print(f"{result.rate:,.0f} commands/s; peak RSS {peak:.0f} MB; second-quarter peak {second:.0f} MB, last-quarter peak {last:.0f} MB")
+    console.print(
+        f"{result.rate:,.0f} commands/s; peak RSS {peak:.0f} MB; second-quarter peak {second:.0f} MB, last-quarter peak {last:.0f} MB"
+    )
     floor("F6", f"worker RSS draining {count:,} commands", f"{peak:.0f} MB", "<= 150 MB and flat", met=peak <= 150 and flat,
           note=f"second-quarter peak {second:.0f} MB, last {last:.0f} MB ({'flat' if flat else 'growing'})")  # fmt: skip
 

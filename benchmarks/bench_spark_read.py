@@ -63,7 +63,9 @@ async def fill(url: str, count: int, attempts: int = 5) -> None:
         stored = await settled_count(js, count)
         if stored >= count:
             break
-        console.print(f"the stream holds {stored:,} of {count:,} messages; publishing the rest with PubAcks")
+        console.print(
+            f"the stream holds {stored:,} of {count:,} messages; publishing the rest with PubAcks"
+        )
         pending = [await js.publish_async(SUBJECT, body) for _ in range(count - stored)]
         await js.publish_async_completed()
         for ack in pending:
@@ -127,14 +129,18 @@ def reader_alone(url: str, count: int) -> float:
     rows = 0
     with SyncNats(ConnOptions(servers=(url,))) as client:
         info = client.stream_info(STREAM)
-        for chunk in read_range(client, STREAM, info.first_seq, info.last_seq, avg_size=info.avg_size):
+        for chunk in read_range(
+            client, STREAM, info.first_seq, info.last_seq, avg_size=info.avg_size
+        ):
             rows += to_record_batch(STREAM, chunk, schema).num_rows
     elapsed = time.perf_counter() - start
     assert rows == count
     return elapsed
 
 
-def spark_read(url: str, count: int, partitions: int, server_pid: int | None = None) -> tuple[float, dict[str, float]]:
+def spark_read(
+    url: str, count: int, partitions: int, server_pid: int | None = None
+) -> tuple[float, dict[str, float]]:
     """Seconds for one read, and the CPU seconds each group of processes spent on it."""
     from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
@@ -159,11 +165,20 @@ def spark_read(url: str, count: int, partitions: int, server_pid: int | None = N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     # 500,000: no floor reads it any more, and `make bench` must stay under 20 minutes.
-    parser.add_argument("--count", type=int, default=500_000, help="messages to read (default 500,000)")
+    parser.add_argument(
+        "--count", type=int, default=500_000, help="messages to read (default 500,000)"
+    )
     parser.add_argument("--quick", action="store_true", help="100,000 messages")
-    parser.add_argument("--repeat", type=int, default=2, help="timed runs per variant but the nats-py loop (once); the best counts")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=2,
+        help="timed runs per variant but the nats-py loop (once); the best counts",
+    )
     args = parser.parse_args()
     count = 100_000 if args.quick else args.count
 
@@ -183,8 +198,14 @@ def main() -> None:
         # and its margin over the 0.8x target is far wider than its spread.
         loop = asyncio.run(nats_py_loop(server.url, count))
         alone = min(reader_alone(server.url, count) for _ in range(args.repeat))
-        one, cpu_one = min((spark_read(server.url, count, 1, server.pid) for _ in range(args.repeat)), key=lambda run: run[0])
-        two, cpu_two = min((spark_read(server.url, count, 2, server.pid) for _ in range(args.repeat)), key=lambda run: run[0])
+        one, cpu_one = min(
+            (spark_read(server.url, count, 1, server.pid) for _ in range(args.repeat)),
+            key=lambda run: run[0],
+        )
+        two, cpu_two = min(
+            (spark_read(server.url, count, 2, server.pid) for _ in range(args.repeat)),
+            key=lambda run: run[0],
+        )
         spark.stop()
 
     rates = {
@@ -225,7 +246,9 @@ def print_cpu(runs: dict[str, tuple[float, dict[str, float]]]) -> None:
         table.add_column(name, justify="right")
     for name, (seconds, cpu) in runs.items():
         total = sum(cpu.values())
-        table.add_row(name, *(f"{cpu[g]:.1f}" for g in groups), f"{total:.1f}", f"{total / seconds:.2f}")
+        table.add_row(
+            name, *(f"{cpu[g]:.1f}" for g in groups), f"{total:.1f}", f"{total / seconds:.2f}"
+        )
     console.print(table)
 
 

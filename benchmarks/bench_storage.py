@@ -46,7 +46,9 @@ async def main(count: int) -> None:
     # The samples that count start RETENTION + 10 s in; a minute of them shows the trend,
     # however fast the machine drains (a slow one took 4 minutes for 600,000).
     result = await drain(count, SETTINGS, every=4.0, probe_store=True, enough=RETENTION + 70)
-    table = Table(title=f"store size draining {count:,} commands, retention {RETENTION}s ({machine()})")
+    table = Table(
+        title=f"store size draining {count:,} commands, retention {RETENTION}s ({machine()})"
+    )
     for col in ("s", "commands done", "effects kept", "effects+outputs+inbox MB", "B per kept command",
                 "event log+states MB", "B per command done", "file+WAL MB"):  # fmt: skip
         table.add_column(col, justify="right")

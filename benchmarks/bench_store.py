@@ -61,18 +61,32 @@ AGENT = "bench"
 CONSUMER = "bench_consumer"
 
 
-def _batch(batch: int) -> tuple[list[str], list[str], list[NewEvent], dict[str, list[StoredOutput]]]:
+def _batch(
+    batch: int,
+) -> tuple[list[str], list[str], list[NewEvent], dict[str, list[StoredOutput]]]:
     keys = [f"b{batch}-c{i}" for i in range(BATCH)]
     resources = sorted({f"r{(batch * BATCH + i * 7) % RESOURCES}" for i in range(BATCH)})
     body = b"x" * BODY_SIZE
     events = [
-        NewEvent(f"{key}-e", "bench.done", resources[i % len(resources)], key, key, body, "2026-01-01T00:00:00Z")
+        NewEvent(
+            f"{key}-e",
+            "bench.done",
+            resources[i % len(resources)],
+            key,
+            key,
+            body,
+            "2026-01-01T00:00:00Z",
+        )
         for i, key in enumerate(keys)
     ]
     outputs = {
         key: [
-            StoredOutput(0, "evt.default.bench.bench.done", f"{key}-0", body, {"Nats-Msg-Id": f"{key}-0"}),
-            StoredOutput(1, "cmd.default.bench.other.go", f"{key}-1", body, {"Nats-Msg-Id": f"{key}-1"}),
+            StoredOutput(
+                0, "evt.default.bench.bench.done", f"{key}-0", body, {"Nats-Msg-Id": f"{key}-0"}
+            ),
+            StoredOutput(
+                1, "cmd.default.bench.other.go", f"{key}-1", body, {"Nats-Msg-Id": f"{key}-1"}
+            ),
         ]
         for key in keys
     }
@@ -136,13 +150,18 @@ def main(batches: int, rounds: int, pg_admin: str) -> None:
     times: dict[tuple[str, str], list[float]] = {r: [] for r in runs}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            stores = {"sqlite": open_store(f"sqlite:///{tmp}/store.db"), "postgresql": open_store(pg_url)}
+            stores = {
+                "sqlite": open_store(f"sqlite:///{tmp}/store.db"),
+                "postgresql": open_store(pg_url),
+            }
             for n, (kind, path) in enumerate(runs):
                 run(stores[kind], PATHS[path], 100_000 * (n + 1), 5)  # warm-up: tables, plans, pool
             for r in range(rounds):
                 # Alternating, so load from other work on the machine falls on every store alike.
                 for n, (kind, path) in enumerate(runs):
-                    times[(kind, path)].append(run(stores[kind], PATHS[path], 1_000_000 * (n + 1) + r * batches, batches))
+                    times[(kind, path)].append(
+                        run(stores[kind], PATHS[path], 1_000_000 * (n + 1) + r * batches, batches)
+                    )
             for st in stores.values():
                 st.close()
     finally:
@@ -151,10 +170,14 @@ def main(batches: int, rounds: int, pg_admin: str) -> None:
     commands = batches * BATCH
     rate = {k: statistics.median(commands / t for t in v) for k, v in times.items()}
     ratio = {
-        path: statistics.median(s / p for s, p in zip(times[("sqlite", path)], times[("postgresql", path)], strict=True))
+        path: statistics.median(
+            s / p for s, p in zip(times[("sqlite", path)], times[("postgresql", path)], strict=True)
+        )
         for path in PATHS
     }
-    table = Table(title=f"store path, batches of {BATCH} commands: {commands:,} commands, median of {rounds} rounds ({machine()})")
+    table = Table(
+        title=f"store path, batches of {BATCH} commands: {commands:,} commands, median of {rounds} rounds ({machine()})"
+    )
     for col in ("store", "methods", "commands/s", "ms per batch", "vs SQLite"):
         table.add_column(col, justify="left" if col in ("store", "methods") else "right")
     for kind, path in runs:
@@ -263,9 +286,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=None, help="3 (store path) or 5 (--stage)")
-    parser.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/postgres", help="admin URL")
+    parser.add_argument(
+        "--pg", default="postgresql://postgres@127.0.0.1:5432/postgres", help="admin URL"
+    )
     parser.add_argument("--quick", action="store_true", help="30 batches, 3 rounds")
-    parser.add_argument("--stage", action="store_true", help="the agent's store stage: CPU a command, no server")
+    parser.add_argument(
+        "--stage", action="store_true", help="the agent's store stage: CPU a command, no server"
+    )
     parser.add_argument("--groups", type=int, default=40, help="with --stage: groups a round")
     args = parser.parse_args()
     if args.stage:

@@ -23,12 +23,24 @@ from _floors import parse
 
 # Every floor of the speed targets, in order, and the script that measures it.
 FLOORS = {
-    "S0": ("publish_many vs publish_async on the same client (>= 0.9x); outbox relay vs the same (>= 0.5x)", "publish"),
-    "F1": ("exactly-once agent, backlog, SQLite full sync, vs the strongest nats-py loop (>= 1.0x)", "agent"),
+    "S0": (
+        "publish_many vs publish_async on the same client (>= 0.9x); outbox relay vs the same (>= 0.5x)",
+        "publish",
+    ),
+    "F1": (
+        "exactly-once agent, backlog, SQLite full sync, vs the strongest nats-py loop (>= 1.0x)",
+        "agent",
+    ),
     "F2": ("the same vs FastStream as documented, the faster of its two set-ups (>= 4x)", "agent"),
-    "F3": ("open loop 1,000 cmd/s from the schedule: p50 and p99 vs FastStream's (<= 1.0x)", "latency"),
+    "F3": (
+        "open loop 1,000 cmd/s from the schedule: p50 and p99 vs FastStream's (<= 1.0x)",
+        "latency",
+    ),
     "F4": ("PostgreSQL store vs SQLite store, one worker (>= 0.8x)", "agent"),
-    "F5": ("2 workers vs 1 on a shared PostgreSQL: plain speed-up, each process's CPU (reported)", "partitions"),
+    "F5": (
+        "2 workers vs 1 on a shared PostgreSQL: plain speed-up, each process's CPU (reported)",
+        "partitions",
+    ),
     "F6": ("worker RSS draining commands (<= 150 MB and flat)", "rss"),
     "F7": ("store bytes per command after retention (reported; flat)", "storage"),
     "C1": ("console dead-letter list with 1,000,000 letters stored (< 1 s)", "console"),
@@ -39,7 +51,11 @@ def run(script: Path, args: list[str]) -> tuple[int, list[dict[str, object]]]:
     """Run one script, echoing its output; its exit code and the floors it printed."""
     found: list[dict[str, object]] = []
     with subprocess.Popen(
-        [sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        [sys.executable, str(script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
     ) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -52,9 +68,13 @@ def run(script: Path, args: list[str]) -> tuple[int, list[dict[str, object]]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes in every script")
-    parser.add_argument("--only", default="", help="comma-separated script names without bench_, e.g. publish,store")
+    parser.add_argument(
+        "--only", default="", help="comma-separated script names without bench_, e.g. publish,store"
+    )
     args = parser.parse_args()
     here = Path(__file__).parent
     wanted = {f"bench_{name.strip()}.py" for name in args.only.split(",") if name.strip()}
@@ -75,8 +95,18 @@ def main() -> int:
         floors.extend(found)
         took[script.name] = time.monotonic() - began
     print("\n=== minutes per script ===")
-    print("  ".join(f"{name.removeprefix('bench_').removesuffix('.py')} {t / 60:.1f}" for name, t in took.items()))
-    summary(floors, failed, {s.removeprefix("bench_").removesuffix(".py") for s in took}, time.monotonic() - started)
+    print(
+        "  ".join(
+            f"{name.removeprefix('bench_').removesuffix('.py')} {t / 60:.1f}"
+            for name, t in took.items()
+        )
+    )
+    summary(
+        floors,
+        failed,
+        {s.removeprefix("bench_").removesuffix(".py") for s in took},
+        time.monotonic() - started,
+    )
     if failed:
         print(f"\nfailed: {', '.join(f'{name} (exit {rc})' for name, rc in failed.items())}")
         return 1
@@ -90,7 +120,9 @@ def verdict(f: dict[str, object]) -> str:
     return "yes" if met is True else "NO" if met is False else "n/a"
 
 
-def summary(floors: list[dict[str, object]], failed: dict[str, int], ran: set[str], seconds: float) -> None:
+def summary(
+    floors: list[dict[str, object]], failed: dict[str, int], ran: set[str], seconds: float
+) -> None:
     """One row per floor printed; a floor whose script failed or did not run says so."""
     print(f"\n=== floors (all benchmarks took {seconds / 60:.1f} min) ===")
     rows = [("id", "what", "value", "floor", "met", "note")]
@@ -104,15 +136,30 @@ def summary(floors: list[dict[str, object]], failed: dict[str, int], ran: set[st
                 why = "no benchmark reported it" if owner in ran else f"bench_{owner}.py not run"
                 rows.append((fid, what, "-", "", "not measured", why))
         for f in mine:
-            note = str(f.get("note") or "") + (f" (bench_{owner}.py exited with {rc})" if f.get("failed") else "")
-            rows.append((fid, str(f.get("what")), str(f.get("value")), str(f.get("target")), verdict(f), note))
+            note = str(f.get("note") or "") + (
+                f" (bench_{owner}.py exited with {rc})" if f.get("failed") else ""
+            )
+            rows.append(
+                (
+                    fid,
+                    str(f.get("what")),
+                    str(f.get("value")),
+                    str(f.get("target")),
+                    verdict(f),
+                    note,
+                )
+            )
     for f in floors:
         if f.get("id") not in FLOORS:
             rows.append((str(f.get("id")), str(f.get("what")), str(f.get("value")), str(f.get("target")), verdict(f),
                          str(f.get("note") or "")))  # fmt: skip
     widths = [max(len(r[i]) for r in rows[:]) for i in range(5)]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + (f"  {r[5]}" if r[5] else ""))
+        print(
+            "  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True))
+            + (f"  {r[5]}" if r[5] else "")
+        )
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

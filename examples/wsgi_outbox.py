@@ -52,7 +52,9 @@ def place_order(store: Store, order: dict[str, Any]) -> int:
         return enqueue(tx, RESERVE, command)
 
 
-def make_app(store: Store, publisher: SyncPublisher) -> Callable[[dict[str, Any], StartResponse], Iterable[bytes]]:
+def make_app(
+    store: Store, publisher: SyncPublisher
+) -> Callable[[dict[str, Any], StartResponse], Iterable[bytes]]:
     """The WSGI application."""
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -80,7 +82,9 @@ def make_app(store: Store, publisher: SyncPublisher) -> Callable[[dict[str, Any]
 
 def _reply(start_response: StartResponse, status: str, body: dict[str, Any]) -> list[bytes]:
     data = json.dumps(body).encode()
-    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+    start_response(
+        status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))]
+    )
     return [data]
 
 

@@ -22,7 +22,9 @@ from meshforge.transport.server import EmbeddedServer
 # The packaged fixtures (meshforge_server, agent_harness, ...); the session server is theirs.
 pytest_plugins = ["meshforge.testing.plugin"]
 
-PG_ADMIN_URL = os.environ.get("MESHFORGE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+PG_ADMIN_URL = os.environ.get(
+    "MESHFORGE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 
 
 @pytest.fixture(scope="session")

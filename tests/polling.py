@@ -27,7 +27,9 @@ async def wait_until(
         delay = min(delay * 2, 0.1)
 
 
-def wait_until_sync(check: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
+def wait_until_sync(
+    check: Callable[[], bool], timeout: float = 60.0, what: str = "condition"
+) -> None:
     """``wait_until`` for code outside an event loop."""
     deadline = time.monotonic() + timeout
     delay = 0.05

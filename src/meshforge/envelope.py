@@ -221,7 +221,9 @@ class Envelope:
         if not _CHILD_FIELDS.issuperset(fields_) or (
             base["tenant_id"] == "default"
             and subject.startswith(("cmd.", "evt."))
-            and not subject.startswith(("cmd.default.", "evt.default."))  # addressed_to may change it
+            and not subject.startswith(
+                ("cmd.default.", "evt.default.")
+            )  # addressed_to may change it
         ):
             sent = Outbound.of(subject, self.child(type, payload, position, **fields_))
             return sent.msg_id, sent.data, sent.headers
@@ -346,7 +348,9 @@ def decode(
     if "payload" not in obj:
         raise MalformedMessage("envelope lacks 'payload'")
     if not isinstance(obj["payload"], dict):
-        raise MalformedMessage(f"'payload' is a JSON {type(obj['payload']).__name__}, expected an object")
+        raise MalformedMessage(
+            f"'payload' is a JSON {type(obj['payload']).__name__}, expected an object"
+        )
     get, hget = obj.get, h.get
     if not _STR_OR_NONE.issuperset(map(type, map(get, _STR_FIELDS))):  # one C pass
         for name in _STR_FIELDS:

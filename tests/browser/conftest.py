@@ -35,7 +35,9 @@ SCREENSHOTS = Path(os.environ.get("MESHFORGE_SCREENSHOT_DIR", ROOT / ".meshforge
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, Any]:
     """Keep each phase's report on the test, so a fixture can see that the test failed."""
     report = yield
     setattr(item, f"report_{report.when}", report)
@@ -50,7 +52,9 @@ def console_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedde
 
 
 @pytest.fixture(scope="module")
-def console_settings(console_server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+def console_settings(
+    console_server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory
+) -> Settings:
     store = tmp_path_factory.mktemp("console-store") / "store.db"
     return load_settings(
         {**TEST_SETTINGS, "nats_url": console_server.url, "store_url": f"sqlite:///{store}"}, env={}
@@ -74,10 +78,18 @@ def console(
     audit report waits under its ``--reports``."""
     reports = tmp_path_factory.mktemp("reports")
     (reports / "run1" / "report").mkdir(parents=True)
-    (reports / "run1" / "report" / "audit.json").write_text('{"ok": true, "generated_at": "2026-11-27T10:00:00Z"}')
-    (reports / "run1" / "report" / "audit.html").write_text("<html><body>exactly once, checked</body></html>")
+    (reports / "run1" / "report" / "audit.json").write_text(
+        '{"ok": true, "generated_at": "2026-11-27T10:00:00Z"}'
+    )
+    (reports / "run1" / "report" / "audit.html").write_text(
+        "<html><body>exactly once, checked</body></html>"
+    )
     proc = ConsoleProcess(
-        console_server.url, tmp_path_factory.mktemp("console"), "--reports", str(reports), env=TOKENS
+        console_server.url,
+        tmp_path_factory.mktemp("console"),
+        "--reports",
+        str(reports),
+        env=TOKENS,
     ).start()
     yield proc
     proc.stop()

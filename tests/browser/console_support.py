@@ -96,7 +96,9 @@ async def plant(
     return int(ack.seq)
 
 
-def command_body(type_: str, payload: Mapping[str, object], tenant: str = "default") -> tuple[bytes, str]:
+def command_body(
+    type_: str, payload: Mapping[str, object], tenant: str = "default"
+) -> tuple[bytes, str]:
     """An envelope's body and id, as a producer would have sent it."""
     env = Envelope.new(type_, dict(payload), tenant_id=tenant, source="test")
     return env.encode(), env.id
@@ -113,7 +115,9 @@ async def sign_in(tab: Page, base: str, token: str, name: str) -> None:
 
 
 @contextlib.contextmanager
-def node_process(nats_url: str, home: Path, site: str, node: str) -> Iterator[subprocess.Popen[bytes]]:
+def node_process(
+    nats_url: str, home: Path, site: str, node: str
+) -> Iterator[subprocess.Popen[bytes]]:
     """``meshforge node SITE NODE`` as a child, announcing itself every second."""
     args = [sys.executable, "-m", "meshforge", "node", site, node,
             "--nats-url", nats_url, "--store", f"sqlite:///{home / 'node.db'}",

@@ -29,7 +29,9 @@ SITE = "lab2"
 
 
 @pytest.fixture(scope="module")
-def fleet_node(console_server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def fleet_node(
+    console_server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
     """``meshforge node lab2 n1``: the one target of the jobs that is up and answers."""
     with node_process(console_server.url, tmp_path_factory.mktemp("node"), SITE, "n1"):
         yield
@@ -90,8 +92,10 @@ async def test_an_operator_sees_a_job_progress_and_cancels_it(
         await page.reload()
         await expect(page.locator("#cancel-job")).to_have_count(0)
         await wait_until(
-            lambda: "nadia (operator via session" in console.log()
-            and f"canceled job {job}" in console.log(),
+            lambda: (
+                "nadia (operator via session" in console.log()
+                and f"canceled job {job}" in console.log()
+            ),
             what="the audit line of the cancel",
         )
         records = await store.nodes(job)

@@ -42,7 +42,11 @@ async def _exists(conn: Connection, seq: int) -> bool:
 
 
 async def test_an_operator_sees_a_planted_dead_letter_redrives_it_and_the_agent_applies_it(
-    console: ConsoleProcess, conn: Connection, console_settings: Settings, page: Page, doc_shot: DocShot
+    console: ConsoleProcess,
+    conn: Connection,
+    console_settings: Settings,
+    page: Page,
+    doc_shot: DocShot,
 ) -> None:
     sku = f"console-{uuid.uuid4().hex[:8]}"
     body, _ = command_body("inventory.create", {"sku": sku, "qty": 5})
@@ -76,13 +80,17 @@ async def test_an_operator_sees_a_planted_dead_letter_redrives_it_and_the_agent_
         await expect(page.locator(f"#letter-{seq}")).to_have_count(0)
 
         async def applied() -> bool:
-            return any(e.payload.get("sku") == sku for e in await harness.events("inventory.created"))
+            return any(
+                e.payload.get("sku") == sku for e in await harness.events("inventory.created")
+            )
 
         await wait_until(applied, timeout=15, what=f"inventory.created for {sku}")
     assert not await _exists(conn, seq)
     await wait_until(
-        lambda: "alice (operator via session" in console.log()
-        and f"re-drove dead letter {seq}" in console.log(),
+        lambda: (
+            "alice (operator via session" in console.log()
+            and f"re-drove dead letter {seq}" in console.log()
+        ),
         what="the audit line naming alice",
     )
 
@@ -114,11 +122,18 @@ async def test_a_hostile_body_shows_as_text_and_opens_no_dialog(
 async def test_a_binary_body_shows_escaped_and_a_truncated_letter_links_its_whole_original(
     console: ConsoleProcess, conn: Connection, page: Page
 ) -> None:
-    binary = await plant(conn.js, f"cmd.default.demo.bin{uuid.uuid4().hex[:6]}.create", bytes(range(256)) * 40)
+    binary = await plant(
+        conn.js, f"cmd.default.demo.bin{uuid.uuid4().hex[:6]}.create", bytes(range(256)) * 40
+    )
     agent = f"cut{uuid.uuid4().hex[:6]}"
     whole = b'{"type": "x.create", "payload": {"blob": "' + b"z" * 9000 + b'"}}'
     copy = await keep_original(
-        Publisher(conn.js), f"cmd.default.demo.{agent}.create", whole, {"Trace": "t1"}, STREAM_COMMANDS, 77
+        Publisher(conn.js),
+        f"cmd.default.demo.{agent}.create",
+        whole,
+        {"Trace": "t1"},
+        STREAM_COMMANDS,
+        77,
     )
     cut = await plant(
         conn.js,
@@ -204,7 +219,9 @@ async def test_purge_confirms_with_the_count_and_redrive_selected_takes_the_chec
     await page.goto(f"{console.url}/dead-letters?subject=cmd.default.demo.{agent}.>")
     await page.click("#purge")
     await expect(page.locator("#confirm-count")).to_have_text("3")
-    await expect(page.locator("#confirm-text")).to_contain_text(f"failed.cmd.default.demo.{agent}.>")
+    await expect(page.locator("#confirm-text")).to_contain_text(
+        f"failed.cmd.default.demo.{agent}.>"
+    )
     await doc_shot(page, "purge-confirm")
     await page.click("#confirm")
     await expect(page.locator("#flash")).to_contain_text("purged 3 dead letter(s)")

@@ -15,7 +15,9 @@ DocShot = Callable[[Page, str], Awaitable[None]]
 
 
 @pytest.fixture(scope="module")
-def demo_node(console_server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def demo_node(
+    console_server: EmbeddedServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
     """``meshforge node lab1 n1``: the demo node, announcing itself every second."""
     with node_process(console_server.url, tmp_path_factory.mktemp("node"), "lab1", "n1"):
         yield
@@ -41,9 +43,11 @@ async def test_an_operator_sends_a_command_to_a_node_and_sees_its_reply(
     await expect(page.locator("#reply-result")).to_contain_text("from the console")
     await doc_shot(page, "node-reply")
     await wait_until(
-        lambda: "nadia (operator via session" in console.log()
-        and "sent echo" in console.log()
-        and "to lab1/n1" in console.log(),
+        lambda: (
+            "nadia (operator via session" in console.log()
+            and "sent echo" in console.log()
+            and "to lab1/n1" in console.log()
+        ),
         what="the audit line of the send",
     )
 

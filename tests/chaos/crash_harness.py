@@ -70,7 +70,8 @@ class Run:
 
     async def provision(self) -> None:
         settings = load_settings(
-            {"nats_url": self.server.url, "max_deliver": 1000, "backoff": (1.0,), "ack_wait": 2.0}, env={}
+            {"nats_url": self.server.url, "max_deliver": 1000, "backoff": (1.0,), "ack_wait": 2.0},
+            env={},
         )
         await ensure(self.conn.js, default_streams(settings),
                      [agent_consumer("order", settings), agent_consumer("inventory", settings)])  # fmt: skip
@@ -98,7 +99,9 @@ class Run:
                 return False
         return True
 
-    async def life(self, crash_at: str | None, *, kill_after: float | None = None, within: float = 30.0) -> bool:
+    async def life(
+        self, crash_at: str | None, *, kill_after: float | None = None, within: float = 30.0
+    ) -> bool:
         """One worker start: until it dies at its crash point, is killed after ``kill_after``
         seconds, or the work is done. True when it died by SIGKILL."""
         assert self.worker is not None
@@ -111,7 +114,9 @@ class Run:
                 died = code == -signal.SIGKILL
                 self.kills += died
                 if not died:
-                    raise AssertionError(f"worker exited with {code}: {self.worker.log_path.read_text()[-3000:]}")
+                    raise AssertionError(
+                        f"worker exited with {code}: {self.worker.log_path.read_text()[-3000:]}"
+                    )
                 return True
             if kill_after is not None and time.monotonic() - started >= kill_after:
                 self.worker.kill()
@@ -145,7 +150,9 @@ class Run:
                     raise AssertionError("final worker died: " + final.log_path.read_text()[-3000:])
                 await asyncio.sleep(0.1)  # polling against the deadline
             code = final.stop(20)
-            assert code == 0, f"graceful stop ended with {code}: " + final.log_path.read_text()[-3000:]
+            assert code == 0, (
+                f"graceful stop ended with {code}: " + final.log_path.read_text()[-3000:]
+            )
         finally:
             final.kill()
 
@@ -173,14 +180,20 @@ class Run:
             assert outputs == [derive_id(c.id, 0), derive_id(c.id, 1)]
             assert outputs[0] in published  # the event reached the stream
             assert outputs[1] in inventory_effects  # the command reached (and moved) inventory
-        assert set(inventory_effects) == {derive_id(c.id, 1) for c in self.creates} | {s.key for s in self.stock}
+        assert set(inventory_effects) == {derive_id(c.id, 1) for c in self.creates} | {
+            s.key for s in self.stock
+        }
         for effect in inventory_effects.values():
             assert all(o.msg_id in published for o in effect.outputs)
         order = replay(store, "order", OrderAgent())
         inventory = replay(store, "inventory", InventoryAgent())
         assert order.consistent and inventory.consistent
-        assert order.events == len(self.creates) and inventory.events == len(self.creates) + len(self.stock)
-        assert order.state_hash == ideal_order_hash(self.creates), "order state hash differs from a clean run"
+        assert order.events == len(self.creates) and inventory.events == len(self.creates) + len(
+            self.stock
+        )
+        assert order.state_hash == ideal_order_hash(self.creates), (
+            "order state hash differs from a clean run"
+        )
         want: dict[str, int] = defaultdict(int)
         for c in self.creates:
             want[c.payload["sku"]] += c.payload["qty"]
@@ -211,17 +224,23 @@ async def ready(port: int) -> bool:
         writer.close()
 
 
-def audit_events(events: list[StreamMessage], creates: list[Envelope], stock: list[Envelope]) -> set[str | None]:
+def audit_events(
+    events: list[StreamMessage], creates: list[Envelope], stock: list[Envelope]
+) -> set[str | None]:
     """Each command's one event, stored ONCE: messages are counted per ``Nats-Msg-Id``, so
     an output published again after the duplicate window shows. Returns the ids seen."""
     copies = Counter(m.headers.get("Nats-Msg-Id") for m in events)
     doubled = {msg_id: n for msg_id, n in copies.items() if n > 1}
-    assert not doubled, f"outputs stored more than once in the events stream (id: copies): {doubled}"
+    assert not doubled, (
+        f"outputs stored more than once in the events stream (id: copies): {doubled}"
+    )
     by_cause = _by_cause(events)
     for c in creates:
         reserve = derive_id(c.id, 1)
         assert by_cause[c.id] == {derive_id(c.id, 0)}, f"order {c.id}: events {by_cause[c.id]}"
-        assert by_cause[reserve] == {derive_id(reserve, 0)}, f"reserve {reserve}: {by_cause[reserve]}"
+        assert by_cause[reserve] == {derive_id(reserve, 0)}, (
+            f"reserve {reserve}: {by_cause[reserve]}"
+        )
     for s in stock:
         assert by_cause[s.id] == {derive_id(s.id, 0)}, f"stock {s.id}: events {by_cause[s.id]}"
     expected = 2 * len(creates) + len(stock)
@@ -247,7 +266,9 @@ def ideal_order_hash(creates: list[Envelope]) -> str:
     events = []
     for position, c in enumerate(creates, 1):
         order_id = derive_uuid("order", c.key)
-        data = msgspec.json.encode({"order_id": order_id, "sku": c.payload["sku"], "qty": c.payload["qty"]})
+        data = msgspec.json.encode(
+            {"order_id": order_id, "sku": c.payload["sku"], "qty": c.payload["qty"]}
+        )
         events.append(StoredEvent(
             event_id=derive_id(c.id, 0), type="order.created", resource_id=order_id, command_id=c.id,
             key=c.key, data=data, ts=c.ts, agent="order", position=position, stored_at=datetime.now(UTC),

@@ -88,7 +88,9 @@ class Planned:
     fatal: bool
 
 
-def plan_commands(rng: random.Random, resources: int, count: int, *, transient: bool = True) -> list[Planned]:
+def plan_commands(
+    rng: random.Random, resources: int, count: int, *, transient: bool = True
+) -> list[Planned]:
     """``count`` commands over ``resources`` resources, in a random interleaving, each with
     its faults: ~10% fail transiently, ~8% ``Retry`` (none of these two unless
     ``transient``), ~3% are slow, ~2% fail for good."""
@@ -112,7 +114,9 @@ def plan_commands(rng: random.Random, resources: int, count: int, *, transient: 
         elif roll < 0.23:
             payload["fatal"] = True
         plan = " ".join(f"{k}={v}" if v is not True else k for k, v in payload.items() if k != "n")
-        env = Envelope.new(f"{AGENT}.step", payload, resource_id=resource, tenant_id=TENANT, source="order-checker")
+        env = Envelope.new(
+            f"{AGENT}.step", payload, resource_id=resource, tenant_id=TENANT, source="order-checker"
+        )
         out.append(Planned(env, resource, n, plan, bool(payload.get("fatal"))))
     return out
 
@@ -173,7 +177,9 @@ class OrderRun:
     def fleet(self) -> Fleet:
         attempts = self.work / "attempts"
         attempts.mkdir(exist_ok=True)
-        path = os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        path = os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
         env = {**WORKER_ENV, ATTEMPTS_ENV: str(attempts), "PYTHONPATH": path,
                "MESHFORGE_PARTITIONS": str(self.partitions)}  # fmt: skip
         return Fleet([
@@ -185,7 +191,9 @@ class OrderRun:
     async def run(self, seconds: float) -> Outcome:
         """Send the workload for ``seconds`` under faults, let the work finish, judge it."""
         rng = random.Random(self.seed)
-        planned = plan_commands(rng, self.resources, count=int(seconds * 15), transient=self.transient)
+        planned = plan_commands(
+            rng, self.resources, count=int(seconds * 15), transient=self.transient
+        )
         conn = await connect(load_settings({"nats_url": self.url}, env={}), name="order-checker")
         fleet = self.fleet()
         self.faults = fleet.faults
@@ -193,7 +201,9 @@ class OrderRun:
             await self.provision(conn)
             for i in range(2):
                 fleet.workers[i].start()
-            publishing = asyncio.create_task(self._publish(conn, planned, seconds, random.Random(rng.random())))
+            publishing = asyncio.create_task(
+                self._publish(conn, planned, seconds, random.Random(rng.random()))
+            )
             await self._faults(fleet, seconds, random.Random(rng.random()), publishing)
             await publishing
             await self._settle(conn, fleet, within=90.0 + 10 * seconds / 40)
@@ -212,7 +222,9 @@ class OrderRun:
                 w.kill()
             await conn.close()
 
-    async def _publish(self, conn: Connection, planned: list[Planned], seconds: float, rng: random.Random) -> None:
+    async def _publish(
+        self, conn: Connection, planned: list[Planned], seconds: float, rng: random.Random
+    ) -> None:
         """Small random batches at a steady pace, so later commands of a resource arrive
         after its earlier ones were tried (and failed); now and then a burst, so a worker
         holds more than it may and a hand-over finds a backlog."""
@@ -221,7 +233,9 @@ class OrderRun:
         started = time.monotonic()
         i = 0
         while i < len(planned):
-            batch = planned[i : i + (rng.randint(60, 150) if rng.random() < 0.03 else rng.randint(1, 12))]
+            batch = planned[
+                i : i + (rng.randint(60, 150) if rng.random() < 0.03 else rng.randint(1, 12))
+            ]
             items = [Outbound.of(partitioned(SUBJECT, p.env, settings), p.env) for p in batch]
             results = await publisher.publish_many(items)
             for p, r in zip(batch, results, strict=True):
@@ -230,7 +244,9 @@ class OrderRun:
             due = started + seconds * i / len(planned)
             await asyncio.sleep(max(0.0, due - time.monotonic()))  # pacing the workload, not a wait
 
-    async def _faults(self, fleet: Fleet, seconds: float, rng: random.Random, publishing: asyncio.Task[None]) -> None:
+    async def _faults(
+        self, fleet: Fleet, seconds: float, rng: random.Random, publishing: asyncio.Task[None]
+    ) -> None:
         """A fault every 0.5-2.5 s until the workload is sent: kill, stop, hand back, start."""
         end = time.monotonic() + seconds
         conts: list[asyncio.Task[None]] = []
@@ -255,7 +271,9 @@ class OrderRun:
                 fleet.faults["sigkill"] += 1
                 self.note(f"SIGKILL worker{i}")
             elif action == "term":
-                await asyncio.to_thread(fleet.workers[i].stop, 20)  # a clean hand-back, work in flight
+                await asyncio.to_thread(
+                    fleet.workers[i].stop, 20
+                )  # a clean hand-back, work in flight
                 fleet.faults["sigterm"] += 1
                 self.note(f"SIGTERM worker{i}")
             else:
@@ -293,14 +311,24 @@ class OrderRun:
 
     async def _judge(self, conn: Connection) -> Outcome:
         events = await read_stream(conn.js, STREAM_EVENTS, f"evt.{TENANT}.{NAMESPACE}.{AGENT}.>")
-        failed = await read_stream(conn.js, STREAM_FAILED, f"failed.cmd.{TENANT}.{NAMESPACE}.{AGENT}.>")
+        failed = await read_stream(
+            conn.js, STREAM_FAILED, f"failed.cmd.{TENANT}.{NAMESPACE}.{AGENT}.>"
+        )
         left = (await conn.js.stream_info(STREAM_COMMANDS)).state.messages
         wire = []
         for m in events:
             env = m.envelope()
             assert env is not None, f"undecodable event at seq {m.seq}"
             msg_id = m.headers.get("Nats-Msg-Id", env.id)
-            wire.append(WireEvent(msg_id, env.causation_id or "", int(env.payload["n"]), int(env.payload["at"]), m.seq))
+            wire.append(
+                WireEvent(
+                    msg_id,
+                    env.causation_id or "",
+                    int(env.payload["n"]),
+                    int(env.payload["at"]),
+                    m.seq,
+                )
+            )
         dead = []
         for m in failed:
             env = m.envelope()
@@ -321,7 +349,9 @@ class OrderRun:
                     states[resource] = [] if raw is None else list(decoder.decode(raw)["applied"])
             log: dict[str, list[int]] = {}
             for event in store.events_read(AGENT, scope=scope):
-                log.setdefault(event.resource_id or "", []).append(int(decoder.decode(event.data)["n"]))
+                log.setdefault(event.resource_id or "", []).append(
+                    int(decoder.decode(event.data)["n"])
+                )
             return states, log
         finally:
             store.close()
@@ -349,11 +379,21 @@ async def checked_run(url: str, store_url: str, work: Path, *, seed: int, second
                       ) -> tuple[OrderRun, Outcome]:  # fmt: skip
     """One run; ``calm``: no transient failures and no worker faults (slow handlers and
     dead letters only), which today's code must pass: the checker's own control."""
-    run = OrderRun(url, store_url, work, seed, partitions=partitions, transient=transient and not calm, kills=not calm)
+    run = OrderRun(
+        url,
+        store_url,
+        work,
+        seed,
+        partitions=partitions,
+        transient=transient and not calm,
+        kills=not calm,
+    )
     return run, await run.run(seconds)
 
 
-async def assert_order_holds(url: str, store_url: str, work: Path, *, seconds: float, partitions: int = 3) -> None:
+async def assert_order_holds(
+    url: str, store_url: str, work: Path, *, seconds: float, partitions: int = 3
+) -> None:
     """A run of ``seconds`` (times CHAOS_SCALE) that must show no violation and real faults."""
     run, outcome = await checked_run(url, store_url, work, seed=seed_from_env(), seconds=seconds * scale(),
                                      partitions=partitions)  # fmt: skip
@@ -368,8 +408,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=40.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--store", default=None, help="a store URL (default: SQLite in a temp dir)")
-    parser.add_argument("--partitions", type=int, default=3, help="0: the workers share one durable")
-    parser.add_argument("--calm", action="store_true", help="no transient failures, no worker faults")
+    parser.add_argument(
+        "--partitions", type=int, default=3, help="0: the workers share one durable"
+    )
+    parser.add_argument(
+        "--calm", action="store_true", help="no transient failures, no worker faults"
+    )
     parser.add_argument("--no-transient", action="store_true", help="worker faults only")
     args = parser.parse_args()
     seed = args.seed or seed_from_env()

@@ -97,9 +97,13 @@ def check(
             out.violations.append(f"{_name(c)} dead-lettered {count} times")
     for c in commands:
         if c.fatal and c.id not in dead_count:
-            out.violations.append(f"{_name(c)} was planned to fail for good but was not dead-lettered")
+            out.violations.append(
+                f"{_name(c)} was planned to fail for good but was not dead-lettered"
+            )
         elif not c.fatal and c.id in dead_count:
-            out.violations.append(f"{_name(c)} was dead-lettered though only transient faults were planned ({c.plan})")
+            out.violations.append(
+                f"{_name(c)} was dead-lettered though only transient faults were planned ({c.plan})"
+            )
     dead = {cid for cid in dead_count if cid in by_id}
     out.dead_lettered = len(dead)
 
@@ -109,7 +113,9 @@ def check(
             first = next(e for e in wire if e.msg_id == msg_id)
             cause = by_id.get(first.causation_id)
             what = _name(cause) if cause else first.causation_id
-            out.violations.append(f"event {msg_id} of {what} is stored {count} times in the events stream")
+            out.violations.append(
+                f"event {msg_id} of {what} is stored {count} times in the events stream"
+            )
     events_of: dict[str, set[str]] = defaultdict(set)
     wire_of: dict[str, list[WireEvent]] = defaultdict(list)  # first copy of each event, by resource
     for e in wire:
@@ -128,7 +134,9 @@ def check(
         if c.id in dead and ids:
             out.violations.append(f"{_name(c)} was dead-lettered yet has event(s) {sorted(ids)}")
         elif c.id not in dead and len(ids) != 1:
-            out.violations.append(f"{_name(c)} has {len(ids)} distinct events (want 1): {sorted(ids)}")
+            out.violations.append(
+                f"{_name(c)} has {len(ids)} distinct events (want 1): {sorted(ids)}"
+            )
 
     for resource in sorted(set(per_resource) | set(states) | set(log)):
         cmds = per_resource.get(resource, [])
@@ -165,6 +173,9 @@ def _diff(resource: str, cmds: list[Command], dead: set[str], want: list[int],
     ))  # fmt: skip
     lines.append(f"  must be applied:       {want}")
     for what, got in wrong:
-        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        at = next(
+            (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+            min(len(got), len(want)),
+        )
         lines.append(f"  {what + ':':<22} {got}  (first difference at index {at})")
     return "\n".join(lines)

@@ -47,7 +47,9 @@ async def test_an_output_published_again_after_the_duplicate_window_fails_the_au
             result = await publisher.publish("evt.default.demo.order.created", created)
             return not result.duplicate  # inside the window the server drops it
 
-        await wait_until(stored_again, timeout=10, what="the re-publish stored after the duplicate window")
+        await wait_until(
+            stored_again, timeout=10, what="the re-publish stored after the duplicate window"
+        )
         doubled = await events()
         # What the audit compared before: the set of ids, complete and blind to the copy.
         assert len({m.headers["Nats-Msg-Id"] for m in doubled}) == 3 and len(doubled) == 4

@@ -27,7 +27,9 @@ def test_a_right_run_passes_even_with_events_republished_out_of_wire_order() -> 
     outcome = check(CMDS, **RIGHT)  # type: ignore[arg-type]
     assert outcome.ok, outcome.violations
     assert (outcome.applied, outcome.dead_lettered) == (4, 1)
-    late = check(CMDS, **{**RIGHT, "wire": wire(("a3", 3, 1), ("b1", 1, 0), ("b2", 2, 1), ("a1", 1, 0))})  # type: ignore[arg-type]
+    late = check(
+        CMDS, **{**RIGHT, "wire": wire(("a3", 3, 1), ("b1", 1, 0), ("b2", 2, 1), ("a1", 1, 0))}
+    )  # type: ignore[arg-type]
     assert late.ok and late.inversions == 1
 
 
@@ -38,14 +40,19 @@ def test_a_held_back_command_applied_after_later_ones_is_named_with_its_resource
     outcome = check(CMDS, **{**RIGHT, **swapped})  # type: ignore[arg-type]
     [violation] = outcome.violations
     assert violation.startswith("resource A: applied out of order")
-    assert "must be applied:       [1, 3]" in violation and "store state:           [3, 1]" in violation
+    assert (
+        "must be applied:       [1, 3]" in violation
+        and "store state:           [3, 1]" in violation
+    )
     assert "n=2@12[fatal] DEAD" in violation and "events stream by 'at': [3, 1]" in violation
 
 
 def test_an_event_stored_twice_is_counted_not_merged_as_a_set() -> None:
     doubled = [*RIGHT["wire"], WireEvent("e-b2", "b2", 2, 1, 200)]  # type: ignore[list-item]
     outcome = check(CMDS, **{**RIGHT, "wire": doubled})  # type: ignore[arg-type]
-    assert outcome.violations == ["event e-b2 of B n=2 (seq 14, id b2) is stored 2 times in the events stream"]
+    assert outcome.violations == [
+        "event e-b2 of B n=2 (seq 14, id b2) is stored 2 times in the events stream"
+    ]
 
 
 def test_lost_doubled_and_wrongly_dead_lettered_commands_are_named() -> None:
@@ -55,8 +62,12 @@ def test_lost_doubled_and_wrongly_dead_lettered_commands_are_named() -> None:
     )  # fmt: skip
     said = "\n".join(outcome.violations)
     assert "1 command(s) never left the commands stream" in said
-    assert "B n=1 (seq 11, id b1) was dead-lettered though only transient faults were planned" in said
+    assert (
+        "B n=1 (seq 11, id b1) was dead-lettered though only transient faults were planned" in said
+    )
     assert "A n=3 (seq 13, id a3) has 2 distinct events (want 1)" in said
     assert "store state:           [1, 3, 3]" in said
     missing = check(CMDS, **{**RIGHT, "dead_letters": []})  # type: ignore[arg-type]
-    assert any("planned to fail for good but was not dead-lettered" in v for v in missing.violations)
+    assert any(
+        "planned to fail for good but was not dead-lettered" in v for v in missing.violations
+    )

@@ -133,10 +133,14 @@ def parse(path: Path) -> Document:
     document = Document(path.read_text(), str(path))
     for lexed in _MARKER(document):
         document.add(Region(lexed.start, lexed.end, _marker(lexed.lexemes["arguments"]), _set_mode))
-    for lexed in RawFencedCodeBlockLexer(_FENCE_INFO, {"language": "language", "source": "source"})(document):
+    for lexed in RawFencedCodeBlockLexer(_FENCE_INFO, {"language": "language", "source": "source"})(
+        document
+    ):
         kind = block_kind(lexed.lexemes["language"], str(lexed.lexemes["source"]))
         if kind is not None:
-            document.add(Region(lexed.start, lexed.end, (kind, str(lexed.lexemes["source"])), _run_block))
+            document.add(
+                Region(lexed.start, lexed.end, (kind, str(lexed.lexemes["source"])), _run_block)
+            )
     return document
 
 
@@ -186,7 +190,11 @@ def _run_block(example: Example) -> str | None:
     if kind == "settings":
         return check_settings(source, session)
     if kind == "python":
-        return check_fragment(source) if mode and mode[0] == "fragment" else run_python(source, session)
+        return (
+            check_fragment(source)
+            if mode and mode[0] == "fragment"
+            else run_python(source, session)
+        )
     if kind == "commands" or (mode and mode[0] == "parse-only"):
         return check_commands(source)
     return run_session(source, session)
@@ -215,9 +223,18 @@ def run_file(source: str, session: Session) -> str | None:
         return None
     env = session.env() | {"MESHFORGE_NATS_URL": session.url()}
     tests = name.startswith("test_")
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name] if tests else [sys.executable, name]
+    argv = (
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name]
+        if tests
+        else [sys.executable, name]
+    )
     done = subprocess.run(
-        argv, cwd=session.directory, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT
+        argv,
+        cwd=session.directory,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
     )
     summary = done.stdout.strip().splitlines()[-1:] if tests else []
     if done.returncode != 0 or any("warning" in line for line in summary):
@@ -242,11 +259,17 @@ def check_settings(source: str, session: Session) -> str | None:
 def check_fragment(source: str) -> str | None:
     """A fragment compiles, and what it imports exists."""
     try:
-        tree = compile(source, "<fragment>", "exec", ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        tree = compile(
+            source, "<fragment>", "exec", ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        )
     except SyntaxError as exc:
         return f"the Python fragment does not compile: {exc}"
     for node in ast.walk(tree):  # MeshForge's names only: a web framework need not be installed
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("meshforge") and node.level == 0:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("meshforge")
+            and node.level == 0
+        ):
             module = importlib.import_module(node.module)
             for alias in node.names:
                 if alias.name != "*" and not hasattr(module, alias.name):
@@ -320,7 +343,10 @@ _MASKS = [
     (re.compile(r"\b[0-9a-f]{32}\b"), "<hex>"),
     (re.compile(r"\b[0-9a-f]{16}\b"), "<hex>"),
     # Every moment the CLI prints: RFC 3339, a log line's stamp, `dlq ls`'s `MM-DD HH:MM:SS`.
-    (re.compile(r"\b(?:\d{4}-)?\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:\d\d)?"), "<time>"),
+    (
+        re.compile(r"\b(?:\d{4}-)?\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:\d\d)?"),
+        "<time>",
+    ),
     (re.compile(r"\b\d\d:\d\d:\d\d(?:\.\d+)?"), "<time>"),
     (re.compile(r"127\.0\.0\.1:\d+"), "127.0.0.1:<port>"),
     (re.compile(r"\bpid \d+"), "pid <pid>"),
@@ -430,4 +456,3 @@ def evaluate(document: Document, session: Session, root: Path = ROOT) -> list[st
         if result:
             failures.append(f"{Path(example.path).relative_to(root)}:{example.line}: {result}")
     return failures
-

@@ -25,14 +25,23 @@ from meshforge.ops.settings_table import BEGIN, END, render
 def test_the_settings_table_of_getting_started_is_made_from_the_settings() -> None:
     text = (ROOT / "docs" / "GETTING_STARTED.md").read_text()
     shown = text.split(BEGIN + "\n", 1)[1].split(END, 1)[0]
-    assert shown == render(), "run: python -m meshforge.ops.settings_table --write docs/GETTING_STARTED.md"
+    assert shown == render(), (
+        "run: python -m meshforge.ops.settings_table --write docs/GETTING_STARTED.md"
+    )
     assert "| `max_deliver` | `MESHFORGE_MAX_DELIVER` | `5` |" in shown
-    assert "`max_deliver unlimited`" in shown and "`ack_wait 1s`" in shown  # what provisioning prints, explained
+    assert (
+        "`max_deliver unlimited`" in shown and "`ack_wait 1s`" in shown
+    )  # what provisioning prints, explained
 
 
 def test_a_fragment_must_compile_and_import_names_that_exist() -> None:
-    assert check_fragment("from meshforge.transport.connection import connect\nawait connect()\n") is None
-    assert "has none" in (check_fragment("from meshforge.transport.connection import konnect\n") or "")
+    assert (
+        check_fragment("from meshforge.transport.connection import connect\nawait connect()\n")
+        is None
+    )
+    assert "has none" in (
+        check_fragment("from meshforge.transport.connection import konnect\n") or ""
+    )
     assert "does not compile" in (check_fragment("def f(:\n") or "")
     assert check_fragment("from django.db import connection\n") is None  # not ours: not imported
 

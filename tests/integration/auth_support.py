@@ -108,7 +108,11 @@ def make_operator() -> Operator:
     system = new_key(nkeys.PREFIX_BYTE_ACCOUNT)
     account = new_key(nkeys.PREFIX_BYTE_ACCOUNT)
     user = new_key(nkeys.PREFIX_BYTE_USER)
-    account_nats = {"type": "account", "limits": _UNLIMITED, "default_permissions": {"pub": {}, "sub": {}}}
+    account_nats = {
+        "type": "account",
+        "limits": _UNLIMITED,
+        "default_permissions": {"pub": {}, "sub": {}},
+    }
     user_nats = {"type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1}
     return Operator(
         operator=operator,
@@ -140,7 +144,17 @@ def make_certs(directory: Path) -> dict[str, Path]:
             "-days", "1", "-subj", f"/CN=meshforge-test-{ca}")  # fmt: skip
     for name, cn in (("srv", "127.0.0.1"), ("cli", "meshforge-client")):
         csr = directory / f"{name}.csr"
-        run("req", "-new", *ec, "-keyout", str(p[f"{name}-key"]), "-out", str(csr), "-subj", f"/CN={cn}")
+        run(
+            "req",
+            "-new",
+            *ec,
+            "-keyout",
+            str(p[f"{name}-key"]),
+            "-out",
+            str(csr),
+            "-subj",
+            f"/CN={cn}",
+        )
         run("x509", "-req", "-in", str(csr), "-CA", str(p["ca"]), "-CAkey", str(p["ca-key"]),
             "-CAcreateserial", "-out", str(p[name]), "-days", "1", "-extfile", str(ext))  # fmt: skip
     return p

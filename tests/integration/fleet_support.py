@@ -91,4 +91,3 @@ async def child(
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-

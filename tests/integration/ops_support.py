@@ -60,7 +60,9 @@ def parse_metrics(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], floa
 class Child:
     """``meshforge ARGS`` as a child process, output in ``log``."""
 
-    def __init__(self, args: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, args: Sequence[str], log: Path, env: Mapping[str, str] | None = None
+    ) -> None:
         self.log = log
         environ = {k: v for k, v in os.environ.items() if not k.startswith("MESHFORGE_")}
         with log.open("ab") as out:

@@ -73,10 +73,11 @@ def fill(disk: Path) -> Path:
     return ballast
 
 
-async def all_applied_once(conn: Connection, agent: str, ids: list[str], within: float = 60.0) -> None:
+async def all_applied_once(
+    conn: Connection, agent: str, ids: list[str], within: float = 60.0
+) -> None:
     """Every command of ``ids`` has exactly one event, nothing is dead-lettered, the
     consumer is idle."""
-
 
     async def settled() -> bool:
         if await dead_letters_of(conn, agent):
@@ -87,7 +88,9 @@ async def all_applied_once(conn: Connection, agent: str, ids: list[str], within:
     letters = await dead_letters_of(conn, agent)
     assert letters == [], f"{len(letters)} dead-lettered: {letters[0].headers.get('Dlq-Error')}"
     causes = [m.envelope().causation_id for m in await events_of(conn, agent)]
-    assert sorted(c for c in causes if c) == sorted(ids), f"applied: {len(causes)} events for {len(ids)} commands"
+    assert sorted(c for c in causes if c) == sorted(ids), (
+        f"applied: {len(causes)} events for {len(ids)} commands"
+    )
 
 
 def outage_lines(records: list[logging.LogRecord]) -> dict[str, int]:
@@ -135,7 +138,9 @@ class PrivatePostgres:
     def init(self) -> None:
         if os.geteuid() == 0:
             shutil.chown(self.root, "postgres", "postgres")
-        self._as_postgres("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+        self._as_postgres(
+            "initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync"
+        )
         self.start()
 
     @property
@@ -144,7 +149,9 @@ class PrivatePostgres:
 
     def start(self) -> None:
         opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
-        self._as_postgres("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"), "-w", "start")
+        self._as_postgres(
+            "pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"), "-w", "start"
+        )
 
     def stop(self, mode: str = "immediate") -> None:
         self._as_postgres("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
@@ -158,5 +165,7 @@ class PrivatePostgres:
     def read_only(self, on: bool) -> None:
         """Every session's next transaction is read-only (or writable again)."""
         with psycopg.connect(self.url, autocommit=True) as conn:
-            conn.execute(f"ALTER SYSTEM SET default_transaction_read_only = {'on' if on else 'off'}")
+            conn.execute(
+                f"ALTER SYSTEM SET default_transaction_read_only = {'on' if on else 'off'}"
+            )
             conn.execute("SELECT pg_reload_conf()")

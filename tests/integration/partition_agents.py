@@ -42,7 +42,9 @@ class SequenceAgent(Agent[Seen]):
         if flag and _first(flag):
             raise Retry("not yet", delay=float(cmd.payload.get("retry", 1)))
         # The pid is not deterministic on purpose: the test wants to know which worker ran it.
-        return [Event("stepped", {"seq": cmd.payload["seq"], "after": state.last, "pid": os.getpid()})]
+        return [
+            Event("stepped", {"seq": cmd.payload["seq"], "after": state.last, "pid": os.getpid()})
+        ]
 
     def apply(self, state: Seen, event: Event) -> Seen:
         return Seen(last=int(event.payload["seq"]), count=state.count + 1)

@@ -20,7 +20,9 @@ class TallyAgent(Agent[Seen]):
     @command("count", key="n")
     def count(self, cmd: Envelope, state: Seen) -> list[Event]:
         # Not deterministic on purpose: the test wants to know which worker ran it.
-        return [Event("counted", {"n": cmd.payload["n"], "pid": os.getpid(), "before": state.times})]
+        return [
+            Event("counted", {"n": cmd.payload["n"], "pid": os.getpid(), "before": state.times})
+        ]
 
     def apply(self, state: Seen, event: Event) -> Seen:
         return Seen(times=state.times + 1)

@@ -107,7 +107,9 @@ def test_untrusted_server_certificate_is_one_line(
         workdir, COMMANDS[command], MESHFORGE_NATS_URL=url,
         MESHFORGE_USER="alice", MESHFORGE_PASSWORD=PASSWORD,
     )  # fmt: skip
-    assert_one_line_failure(code, out, took, f"cannot connect to NATS at {url}", "CERTIFICATE_VERIFY_FAILED")
+    assert_one_line_failure(
+        code, out, took, f"cannot connect to NATS at {url}", "CERTIFICATE_VERIFY_FAILED"
+    )
     assert_no_secret(out)
 
 
@@ -131,7 +133,9 @@ def test_refused_port_prints_a_line_per_retry(workdir: Path) -> None:
 
 def test_pipeline_ingest_refused_port_is_bounded(workdir: Path) -> None:
     code, out, took = meshforge(workdir, ["pipeline", "ingest", "--nats-url", "nats://127.0.0.1:1"])
-    assert_one_line_failure(code, out, took, "cannot connect to NATS at nats://127.0.0.1:1", "refused")
+    assert_one_line_failure(
+        code, out, took, "cannot connect to NATS at nats://127.0.0.1:1", "refused"
+    )
     assert "retrying in" in out
 
 
@@ -142,9 +146,10 @@ def test_secrets_never_printed_by_failing_runs(workdir: Path, token_server: Embe
     # a real user JWT of this operator, carried with a seed that is not its own
     creds = op.creds(workdir / "planted.creds", seed=SEED)
     printed: list[str] = []
-    with configured_server(workdir / "nkey", config) as nkey_server, configured_server(
-        workdir / "op", op.config()
-    ) as op_server:
+    with (
+        configured_server(workdir / "nkey", config) as nkey_server,
+        configured_server(workdir / "op", op.config()) as op_server,
+    ):
         runs: list[tuple[list[str], dict[str, str], str]] = [
             # config errors: a URL with a password, a password in the store URL, a bad seed
             (["provision"], {"MESHFORGE_NATS_URL": f"http://alice:{PASSWORD}@127.0.0.1:1"}, "expected a URL"),
@@ -164,13 +169,22 @@ def test_secrets_never_printed_by_failing_runs(workdir: Path, token_server: Embe
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda run: meshforge(workdir, run[0], **run[1]), runs))
         for (_args, _env, expected), (code, out, took) in zip(runs, results, strict=True):
-            usage = expected in ("expected a URL", "store_url", "MESHFORGE_NKEY_SEED", "only one of")
+            usage = expected in (
+                "expected a URL",
+                "store_url",
+                "MESHFORGE_NKEY_SEED",
+                "only one of",
+            )
             assert_one_line_failure(code, out, took, expected, exit_code=2 if usage else 1)
             printed.append(out)
     everything = {"MESHFORGE_PASSWORD": PASSWORD, "MESHFORGE_USER": "alice", "MESHFORGE_TOKEN": TOKEN,
                   "MESHFORGE_NKEY_SEED": SEED, "MESHFORGE_NATS_URL": f"nats://alice:{PASSWORD}@h:1"}  # fmt: skip
     with ThreadPoolExecutor(4) as pool:
-        helps = list(pool.map(lambda c: meshforge(workdir, [*c[:1], "--help"], **everything), COMMANDS.values()))
+        helps = list(
+            pool.map(
+                lambda c: meshforge(workdir, [*c[:1], "--help"], **everything), COMMANDS.values()
+            )
+        )
     for code, out, _took in helps:
         assert code == 0, out
         printed.append(out)

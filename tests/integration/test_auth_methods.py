@@ -212,7 +212,9 @@ def test_spark_connection_options_hide_secrets() -> None:
     for secret in ("pw-1", "tok-1", seed):
         assert secret not in repr(conn)
     assert conn.url == "nats://***@h:1"
-    with pytest.raises(ConfigError, match=r"^jetstream: nkey_seed: expected an NKey user seed") as info:
+    with pytest.raises(
+        ConfigError, match=r"^jetstream: nkey_seed: expected an NKey user seed"
+    ) as info:
         ConnOptions.from_options({**options, "nkey_seed": mistyped(seed)})
     assert seed[:10] not in str(info.value)
 

@@ -49,7 +49,9 @@ def failing_agent() -> Agent[Nothing]:
     return Failing()
 
 
-async def test_redeliveries_come_after_the_configured_backoff(nats_url: str, sqlite_url: str) -> None:
+async def test_redeliveries_come_after_the_configured_backoff(
+    nats_url: str, sqlite_url: str
+) -> None:
     agent = failing_agent()
     settings = settings_for(nats_url, sqlite_url, ack_wait=5.0, backoff=BACKOFF, max_deliver=4)
     conn = await open_conn(settings)
@@ -64,12 +66,16 @@ async def test_redeliveries_come_after_the_configured_backoff(nats_url: str, sql
     gaps = [b - a for a, b in itertools.pairwise(at)]
     assert len(gaps) == len(BACKOFF), gaps
     for gap, wanted in zip(gaps, BACKOFF, strict=True):
-        assert wanted - 0.05 <= gap <= wanted + 0.5, f"gaps {[round(g, 2) for g in gaps]}, configured {BACKOFF}"
+        assert wanted - 0.05 <= gap <= wanted + 0.5, (
+            f"gaps {[round(g, 2) for g in gaps]}, configured {BACKOFF}"
+        )
 
 
 def test_the_nak_delay_sent_takes_off_what_the_server_adds() -> None:
     acker = Acker("c", Metrics(), lambda: None, server_wait=(1.0, (1.0, 5.0, 10.0, 30.0)))  # type: ignore[arg-type,return-value]
-    assert [acker.nak_delay(d, n) for n, d in enumerate((1.0, 5.0, 10.0, 30.0, 30.0), 1)] == [1.0] * 5
+    assert [acker.nak_delay(d, n) for n, d in enumerate((1.0, 5.0, 10.0, 30.0, 30.0), 1)] == [
+        1.0
+    ] * 5
     assert acker.nak_delay(0.5, 3) == 0.001  # the server cannot wait less than 9 s more here
     assert acker.nak_delay(None, 3) is None and acker.nak_delay(0.0, 3) == 0.0  # at once
     plain = Acker("c", Metrics(), lambda: None, server_wait=(30.0, ()))  # type: ignore[arg-type,return-value]

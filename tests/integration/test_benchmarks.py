@@ -23,7 +23,10 @@ sys.path.insert(0, str(BENCH))
 
 
 def bench_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def test_run_all_shows_a_failed_script_as_failed_and_runs_it_once(tmp_path: Path) -> None:
@@ -39,11 +42,20 @@ def test_run_all_shows_a_failed_script_as_failed_and_runs_it_once(tmp_path: Path
         "raise SystemExit(3)\n"
     )
     done = subprocess.run(
-        [sys.executable, "run_all.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=bench_env()
+        [sys.executable, "run_all.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=bench_env(),
     )
     assert done.returncode == 1, done.stdout + done.stderr
     assert runs.read_text().count("run") == 1, "a failed benchmark must not be rerun"
-    rows = {line.split()[0]: line for line in done.stdout.splitlines() if line.split()[:1] in (["F1"], ["F2"], ["F4"])}
+    rows = {
+        line.split()[0]: line
+        for line in done.stdout.splitlines()
+        if line.split()[:1] in (["F1"], ["F2"], ["F4"])
+    }
     assert "FAILED" in rows["F1"] and "exited with 3" in rows["F1"]
     assert "FAILED" in rows["F2"] and "FAILED" in rows["F4"]
     assert "bench_agent.py (exit 3)" in done.stdout
@@ -71,7 +83,9 @@ async def test_load_stamps_each_command_with_its_due_time_and_prints_its_lag(nat
     # Stamps from the schedule, not the clock at sending: exactly 1/rate apart.
     steps = [b - a for a, b in itertools.pairwise(stamps)]
     assert max(abs(step - 1 / rate) for step in steps) < 1e-6
-    lag = json.loads(next(line for line in out.decode().splitlines() if line.startswith("@lag "))[5:])
+    lag = json.loads(
+        next(line for line in out.decode().splitlines() if line.startswith("@lag "))[5:]
+    )
     assert set(lag) == {"p50", "p99", "max"} and lag["max"] >= lag["p99"] >= lag["p50"]
 
 
@@ -86,7 +100,9 @@ async def test_each_baseline_drains_a_backlog(kind: str, tmp_path: Path) -> None
     n = 600
     async with bench(kind, tmp_path) as b:
         inp, _ = b.subjects
-        await Publisher(b.nc.jetstream()).publish_many([Outbound.of(inp, command_body("x" * 16)) for _ in range(n)])
+        await Publisher(b.nc.jetstream()).publish_many(
+            [Outbound.of(inp, command_body("x" * 16)) for _ in range(n)]
+        )
         b.start()
         first, last = await count_outputs(b, n, 60)
         assert last >= first

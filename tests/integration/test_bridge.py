@@ -82,12 +82,16 @@ def test_a_dead_server_is_one_clear_line_within_a_bound(
 
     for error, took in ((by_publisher.value, took_publisher), (by_spark.value, took_spark)):
         text = str(error)
-        assert "\n" not in text and text.startswith(f"cannot connect to NATS at {dead_url} after 2 attempt(s)")
+        assert "\n" not in text and text.startswith(
+            f"cannot connect to NATS at {dead_url} after 2 attempt(s)"
+        )
         assert took < 8.0, f"{took:.1f}s: {text}"
     no_thread_left()
 
 
-def test_every_wait_is_bounded_and_a_call_that_hangs_is_cancelled(no_thread_left: Callable[[], None]) -> None:
+def test_every_wait_is_bounded_and_a_call_that_hangs_is_cancelled(
+    no_thread_left: Callable[[], None],
+) -> None:
     bridge = LoopThread("meshforge-test")
     ended = threading.Event()
 

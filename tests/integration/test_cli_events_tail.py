@@ -47,7 +47,9 @@ async def test_tail_shows_the_last_stored_then_stops_without_follow(
     private_server: EmbeddedServer,
 ) -> None:
     url = private_server.url
-    await _publish(url, *[_event(n) for n in range(30)], ("evt.default.demo.order.raw", b"\xffnot json"))
+    await _publish(
+        url, *[_event(n) for n in range(30)], ("evt.default.demo.order.raw", b"\xffnot json")
+    )
     lines = await asyncio.to_thread(_tail, url, "--no-follow")
     assert len(lines) == 10
     assert lines[-1].endswith("evt.default.demo.order.raw (not an envelope) \\xffnot json")

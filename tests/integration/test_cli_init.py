@@ -75,11 +75,16 @@ def test_init_from_a_spec_generates_its_agents_commands_and_events(tmp_path: Pat
     project = tmp_path / "my-shop"
     order = (project / "my_shop" / "order.py").read_text()
     assert '@command("cancel", key="order_id")' in order and 'Event("cancelled"' in order
-    assert '@command("capture", key="payment_ref")' in (project / "my_shop" / "payment.py").read_text()
+    assert (
+        '@command("capture", key="payment_ref")' in (project / "my_shop" / "payment.py").read_text()
+    )
     compose = yaml.safe_load((project / "compose.yaml").read_text())
     assert compose["services"]["postgres"]["environment"]["POSTGRES_DB"] == "my_shop"
     settings = load_settings(env={}, config_file=project / "meshforge.toml")
-    assert settings.store_url.startswith("postgresql://") and settings.nats_url == "nats://127.0.0.1:4222"
+    assert (
+        settings.store_url.startswith("postgresql://")
+        and settings.nats_url == "nats://127.0.0.1:4222"
+    )
     assert tomllib.loads((project / "pyproject.toml").read_text())["project"]["dependencies"] == [
         "meshforge[postgres]>=0.1"
     ]

@@ -65,7 +65,14 @@ def test_piped_tables_are_not_cut_at_80_columns(
     private_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("COLUMNS", raising=False)  # a pipe, not a terminal (xdist sets one)
-    code, text = _cli("provision", "--dry-run", "--agent", "a_rather_long_agent_name_here", "--nats-url", private_server.url)
+    code, text = _cli(
+        "provision",
+        "--dry-run",
+        "--agent",
+        "a_rather_long_agent_name_here",
+        "--nats-url",
+        private_server.url,
+    )
     assert code == 0, text
     line = next(row for row in text.splitlines() if "MESHFORGE_COMMANDS/a_rather" in row)
     assert "filter_subject cmd.*.*.a_rather_long_agent_name_here.>" in line, text

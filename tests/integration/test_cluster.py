@@ -106,7 +106,9 @@ async def _leader(js: JetStreamContext, stream: str) -> str | None:
     return info.cluster.leader if info.cluster else None
 
 
-async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(tmp_path: Path) -> None:
+async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(
+    tmp_path: Path,
+) -> None:
     cluster = EmbeddedCluster(3, data_dir=tmp_path / "cluster")
     await asyncio.to_thread(cluster.start)
     worker = AgentProcess(
@@ -135,7 +137,11 @@ async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(
             assert (await js.stream_info(stream)).config.num_replicas == 3
         for durable in ("order_consumer", "inventory_consumer"):
             info = await js.consumer_info(STREAM_COMMANDS, durable)
-            assert info.config.num_replicas == 3 and info.cluster and len(info.cluster.replicas or []) == 2
+            assert (
+                info.config.num_replicas == 3
+                and info.cluster
+                and len(info.cluster.replicas or []) == 2
+            )
 
         worker.start()
         publisher = Publisher(js, settings)
@@ -144,7 +150,9 @@ async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(
             Envelope.new("inventory.create", {"sku": "S", "qty": 10 * ORDERS}, source="test"),
         )
         orders = [
-            Envelope.new("order.create", {"order_id": f"o-{i}", "sku": "S", "qty": 1}, source="test")
+            Envelope.new(
+                "order.create", {"order_id": f"o-{i}", "sku": "S", "qty": 1}, source="test"
+            )
             for i in range(ORDERS)
         ]
 
@@ -199,7 +207,9 @@ async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(
             peers = info.cluster.replicas if info.cluster else None
             return bool(peers) and all(p.current for p in peers or []) and info.state.messages == 0
 
-        await wait_until(caught_up, 30, "the restarted node to catch up and the work queue to drain")
+        await wait_until(
+            caught_up, 30, "the restarted node to catch up and the work queue to drain"
+        )
         assert worker.alive, (tmp_path / "worker.log").read_text()[-3000:]
 
         expected = collections.Counter({"order.created": 1, "inventory.reserved": 1})
@@ -217,7 +227,9 @@ async def test_killing_the_commands_leader_under_load_loses_and_doubles_nothing(
                 env = message.envelope()
                 assert env is not None
                 if "order_id" in env.payload:
-                    per_order.setdefault(env.payload["order_id"], collections.Counter())[env.type] += 1
+                    per_order.setdefault(env.payload["order_id"], collections.Counter())[
+                        env.type
+                    ] += 1
             return len(stored) >= 1 + 2 * ORDERS
 
         with contextlib.suppress(AssertionError):
@@ -250,7 +262,11 @@ async def test_consumer_replicas_follow_the_streams_or_the_setting(tmp_path: Pat
                 streams, consumers = default_streams(settings), [agent_consumer("order", settings)]
                 planned = await plan(js, streams, consumers)
                 await ensure(js, streams, consumers)
-                return [f"{s.action} {s.name} {s.details}".strip() for s in planned.steps if s.kind == "consumer"]
+                return [
+                    f"{s.action} {s.name} {s.details}".strip()
+                    for s in planned.steps
+                    if s.kind == "consumer"
+                ]
 
             async def consumer() -> tuple[int, int]:
                 info = await js.consumer_info(STREAM_COMMANDS, "order_consumer")
@@ -263,14 +279,21 @@ async def test_consumer_replicas_follow_the_streams_or_the_setting(tmp_path: Pat
             # the default is the streams' replicas: 3, which is what "inherit" means here
             assert await provision(replicas=3) == [f"unchanged {STREAM_COMMANDS}/order_consumer"]
             # a work-queue stream's consumers must have its replicas: refused before the server does
-            with pytest.raises(TopologyError, match=r"replicas 1 differ from stream MESHFORGE_COMMANDS's 3.*consumer_replicas to 3 or 0"):
+            with pytest.raises(
+                TopologyError,
+                match=r"replicas 1 differ from stream MESHFORGE_COMMANDS's 3.*consumer_replicas to 3 or 0",
+            ):
                 await provision(replicas=3, consumer_replicas=1)
             assert await consumer() == (0, 3)
             # explicit replicas equal to the stream's are what the default sets on creation
             await js.delete_consumer(STREAM_COMMANDS, "order_consumer")
             [created] = await provision(replicas=3)
-            assert created.startswith(f"create {STREAM_COMMANDS}/order_consumer") and created.endswith("; replicas 3")
+            assert created.startswith(
+                f"create {STREAM_COMMANDS}/order_consumer"
+            ) and created.endswith("; replicas 3")
             assert await consumer() == (3, 3)
-            assert await provision(replicas=3, consumer_replicas=0) == [f"unchanged {STREAM_COMMANDS}/order_consumer"]
+            assert await provision(replicas=3, consumer_replicas=0) == [
+                f"unchanged {STREAM_COMMANDS}/order_consumer"
+            ]
         finally:
             await conn.close()

@@ -372,7 +372,9 @@ async def test_stored_replies_past_their_retention_are_deleted(
 ) -> None:
     store = open_store(f"sqlite:///{tmp_path / 'node.db'}")
     settings = load_settings({"reply_retention": "0s"})
-    runtime = NodeRuntime(DemoNode(), site, "n1", conn, store, settings=settings, cleanup_interval=0.05)
+    runtime = NodeRuntime(
+        DemoNode(), site, "n1", conn, store, settings=settings, cleanup_interval=0.05
+    )
     run = asyncio.create_task(runtime.run())
     try:
         command_id = await ctl.send(site, "n1", "echo", {"n": 1})

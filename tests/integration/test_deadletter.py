@@ -276,7 +276,9 @@ def test_cli_ls_show_redrive_purge(nats_url: str) -> None:
         and "RuntimeError: no stock" in out.stdout
     )
     # The original subject's pattern, without "failed.", finds the same letters.
-    bare = runner.invoke(app, ["dlq", "ls", "--subject", f"cmd.*.*.{agent}.>", "--nats-url", nats_url])
+    bare = runner.invoke(
+        app, ["dlq", "ls", "--subject", f"cmd.*.*.{agent}.>", "--nats-url", nats_url]
+    )
     assert bare.exit_code == 0 and str(seq) in bare.stdout, bare.output
 
     out = runner.invoke(app, ["dlq", "show", str(seq), "--nats-url", nats_url])

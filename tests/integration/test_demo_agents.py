@@ -24,7 +24,9 @@ from meshforge.runtime.worker import import_from_cwd, load_agent
 from meshforge.transport.server import EmbeddedServer
 
 
-async def test_demo_agents_follow_the_contract(private_server: EmbeddedServer, sqlite_url: str) -> None:
+async def test_demo_agents_follow_the_contract(
+    private_server: EmbeddedServer, sqlite_url: str
+) -> None:
     settings = settings_for(private_server.url, sqlite_url)
     conn = await open_conn(settings)
     watch = await EventWatchFor.start(conn, "evt.>")
@@ -39,11 +41,18 @@ async def test_demo_agents_follow_the_contract(private_server: EmbeddedServer, s
         async with running([OrderAgent(), InventoryAgent()], settings):
             stock = await ask("inventory.create", {"sku": "S1", "qty": 5})
             created_stock = await watch.caused_by(stock)
-            assert (created_stock.type, created_stock.subject) == ("inventory.created", "evt.default.demo.inventory.created")
+            assert (created_stock.type, created_stock.subject) == (
+                "inventory.created",
+                "evt.default.demo.inventory.created",
+            )
 
             given = await ask("order.create", {"order_id": "o-1", "sku": "S1", "qty": 3})
             order = await watch.caused_by(given)
-            assert order.type == "order.created" and order.payload == {"order_id": "o-1", "sku": "S1", "qty": 3}
+            assert order.type == "order.created" and order.payload == {
+                "order_id": "o-1",
+                "sku": "S1",
+                "qty": 3,
+            }
             assert order.subject == "evt.default.demo.order.created"
             reserved = await watch.caused_by_id(_reserve_id(given))
             assert reserved.type == "inventory.reserved" and reserved.payload["order_id"] == "o-1"
@@ -52,23 +61,36 @@ async def test_demo_agents_follow_the_contract(private_server: EmbeddedServer, s
             second = await watch.caused_by(anonymous)
             assert second.payload["order_id"] == derive_uuid("order", "req-42")
             rejected = await watch.caused_by_id(_reserve_id(anonymous))
-            assert rejected.type == "inventory.rejected" and rejected.payload["reason"] == "not enough stock"
+            assert (
+                rejected.type == "inventory.rejected"
+                and rejected.payload["reason"] == "not enough stock"
+            )
 
             found = await watch.caused_by(await ask("order.get", {"order_id": "o-1"}))
             assert found.type == "order.found"
-            assert found.payload["order"] == {"order_id": "o-1", "sku": "S1", "qty": 3, "status": "created"}
+            assert found.payload["order"] == {
+                "order_id": "o-1",
+                "sku": "S1",
+                "qty": 3,
+                "status": "created",
+            }
             missing = await watch.caused_by(await ask("order.get", {"order_id": "nope"}))
             assert (missing.type, missing.payload) == ("order.not_found", {"order_id": "nope"})
 
             level = await watch.caused_by(await ask("inventory.get", {"sku": "S1"}))
-            assert (level.type, level.payload) == ("inventory.found", {"sku": "S1", "qty": 5, "reserved": 3})
+            assert (level.type, level.payload) == (
+                "inventory.found",
+                {"sku": "S1", "qty": 5, "reserved": 3},
+            )
             none = await watch.caused_by(await ask("inventory.get", {"sku": "S9"}))
             assert none.type == "inventory.not_found"
 
             # The same request again (new message, same Idempotency-Key): same event, no change.
             mark = len(watch.seen)
             again = await ask("order.create", {"sku": "S1", "qty": 3}, idempotency_key="req-42")
-            echo = await watch.first(lambda e: e.type == "order.created" and e.id == second.id, after=mark)
+            echo = await watch.first(
+                lambda e: e.type == "order.created" and e.id == second.id, after=mark
+            )
             assert echo.causation_id == anonymous.id  # the stored event, as first published
             level = await watch.caused_by(await ask("inventory.get", {"sku": "S1"}))
             assert level.payload["reserved"] == 3
@@ -85,9 +107,13 @@ def _reserve_id(create: Envelope) -> str:
     return derive_id(create.id, 1)  # the order's second output: its inventory.reserve
 
 
-async def test_meshforge_run_and_replay_from_the_command_line(private_server: EmbeddedServer, tmp_path: Path) -> None:
+async def test_meshforge_run_and_replay_from_the_command_line(
+    private_server: EmbeddedServer, tmp_path: Path
+) -> None:
     store = f"sqlite:///{tmp_path / 'orders.db'}"
-    proc = AgentProcess("meshforge.demo:OrderAgent", store, private_server.url, tmp_path / "run.log")
+    proc = AgentProcess(
+        "meshforge.demo:OrderAgent", store, private_server.url, tmp_path / "run.log"
+    )
     settings = settings_for(private_server.url, store)
     conn = await open_conn(settings)
     watch = await EventWatchFor.start(conn, "evt.default.demo.order.>")
@@ -109,7 +135,9 @@ async def test_meshforge_run_and_replay_from_the_command_line(private_server: Em
     assert result.exit_code == 0, result.output
     assert "agent order: 5 events over 5 resources" in result.output
     assert "state hash: sha256:" in result.output
-    result = CliRunner().invoke(app, ["replay", "meshforge.demo:OrderAgent", "--store", store, "--json"])
+    result = CliRunner().invoke(
+        app, ["replay", "meshforge.demo:OrderAgent", "--store", store, "--json"]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["events"] == 5 and report["mismatched"] == []
@@ -117,9 +145,13 @@ async def test_meshforge_run_and_replay_from_the_command_line(private_server: Em
 
     # A misspelt agent, tenant or store is an error naming what there is; nothing is created.
     misspelt = CliRunner().invoke(app, ["replay", "ordr", "--store", store])
-    assert isinstance(misspelt.exception, ConfigError) and "agents with events: order" in str(misspelt.exception)
+    assert isinstance(misspelt.exception, ConfigError) and "agents with events: order" in str(
+        misspelt.exception
+    )
     elsewhere = CliRunner().invoke(app, ["replay", "order", "--store", store, "--tenant", "acme"])
-    assert isinstance(elsewhere.exception, ConfigError) and "default/demo" in str(elsewhere.exception)
+    assert isinstance(elsewhere.exception, ConfigError) and "default/demo" in str(
+        elsewhere.exception
+    )
     missing = tmp_path / "nowhere" / "store.db"
     absent = CliRunner().invoke(app, ["replay", "order", "--store", f"sqlite:///{missing}"])
     assert isinstance(absent.exception, ConfigError) and str(missing) in str(absent.exception)
@@ -192,7 +224,9 @@ def test_meshforge_demo_tells_the_whole_story(tmp_path: Path) -> None:
     assert report.exists() and "audit.html" in text
 
 
-def test_no_provision_fails_clearly_when_topology_is_missing(private_server: EmbeddedServer, tmp_path: Path) -> None:
+def test_no_provision_fails_clearly_when_topology_is_missing(
+    private_server: EmbeddedServer, tmp_path: Path
+) -> None:
     out = subprocess.run(
         meshforge_command("run", "meshforge.demo:OrderAgent", "--no-provision", "--nats-url",
                           private_server.url, "--store", f"sqlite:///{tmp_path / 's.db'}"),

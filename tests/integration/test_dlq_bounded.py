@@ -143,7 +143,9 @@ async def test_a_truncated_dead_letter_whose_original_is_gone_is_not_redriven(
     await js.purge_stream(STREAM_FAILED, subject=(await letters.get(result.seq)).original_copy)
     with pytest.raises(MeshForgeError) as info:
         await letters.redrive(result.seq)
-    assert "is truncated" in str(info.value) and "only its truncated copy is left" in str(info.value)
+    assert "is truncated" in str(info.value) and "only its truncated copy is left" in str(
+        info.value
+    )
     assert "\n" not in str(info.value)
     assert (await letters.get(result.seq)).reason == "malformed"  # still there
 

@@ -26,7 +26,9 @@ async def letters(private_server: EmbeddedServer) -> AsyncIterator[tuple[DeadLet
 
 
 async def _store(conn: Connection, subject: str, reason: str) -> int:
-    ack = await conn.js.publish(subject, b"{}", headers={"Dlq-Reason": reason}, stream=STREAM_FAILED)
+    ack = await conn.js.publish(
+        subject, b"{}", headers={"Dlq-Reason": reason}, stream=STREAM_FAILED
+    )
     return int(ack.seq)
 
 
@@ -36,7 +38,13 @@ async def test_pages_walk_every_letter_once_by_sequence_skipping_kept_originals(
     admin, conn = letters
     stored = []
     for i in range(120):
-        stored.append(await _store(conn, "failed.cmd.default.demo.p.create", "expired" if i % 10 == 0 else "max_deliveries"))
+        stored.append(
+            await _store(
+                conn,
+                "failed.cmd.default.demo.p.create",
+                "expired" if i % 10 == 0 else "max_deliveries",
+            )
+        )
         if i == 60:
             await _store(conn, "failed.original.MESHFORGE_COMMANDS.7", "")
     seen: list[int] = []

@@ -73,7 +73,9 @@ async def test_command_gets_events_sends_state_and_trace(nats_url: str, sqlite_u
         assert sent[0].causation_id == cmd.id and sent[0].key == sent[0].id
 
         with store.transaction() as tx:
-            state = msgspec.json.decode(tx.state_get(agent.name, "acc1", scope=SCOPE) or b"", type=Account)
+            state = msgspec.json.decode(
+                tx.state_get(agent.name, "acc1", scope=SCOPE) or b"", type=Account
+            )
             outputs = tx.effect_get(f"{agent.name}_consumer", cmd.key, scope=SCOPE)
         assert state == Account(balance=5, history=[5])
         assert outputs is not None and [o.msg_id for o in outputs] == [event.id, sent[0].id]
@@ -92,7 +94,10 @@ async def test_missing_ts_is_injected_from_the_stored_time(nats_url: str, sqlite
     conn = await open_conn(settings)
     try:
         async with running([agent], settings):
-            body = b'{"type": "%s.credit", "payload": {"account": "a", "amount": 1}}' % agent.name.encode()
+            body = (
+                b'{"type": "%s.credit", "payload": {"account": "a", "amount": 1}}'
+                % agent.name.encode()
+            )
             before = datetime.now(UTC)
             await conn.js.publish(f"cmd.default.test.{agent.name}.credit", body,
                                   headers={H_MSG_ID: "no-ts-1"})  # fmt: skip
@@ -128,11 +133,17 @@ async def test_same_idempotency_key_republishes_same_ids_and_changes_nothing(
         assert len(await events_of(conn, agent.name)) == 1  # stored once by the server
         assert len(list(store.events_read(agent.name, scope=SCOPE))) == 1
         with store.transaction() as tx:
-            state = msgspec.json.decode(tx.state_get(agent.name, "a", scope=SCOPE) or b"", type=Account)
+            state = msgspec.json.decode(
+                tx.state_get(agent.name, "a", scope=SCOPE) or b"", type=Account
+            )
         assert state.balance == 3
         skipped = metrics.duplicates_skipped.labels(consumer=f"{agent.name}_consumer")._value.get()
         assert skipped == 1
-        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Duplicate detected")]
+        said = [
+            r.getMessage()
+            for r in caplog.records
+            if r.getMessage().startswith("Duplicate detected")
+        ]
         assert len(said) == 1 and first.key in said[0]  # seed 001's log line
     finally:
         store.close()
@@ -186,7 +197,9 @@ async def test_state_hash_is_the_same_whatever_the_batch_size(
             store = await open_store_async(url)
             try:
                 subject = f"cmd.default.test.{agent.name}.credit"
-                await send_many(conn, [(subject, e.with_(type=f"{agent.name}.credit")) for e in envs])
+                await send_many(
+                    conn, [(subject, e.with_(type=f"{agent.name}.credit")) for e in envs]
+                )
                 async with running([agent], settings, store=store):
                     await wait_until(lambda a=agent, c=conn: consumer_idle(c, a.name), within=60)  # type: ignore[misc]
                 result = await asyncio.to_thread(replay, store, agent.name, agent)
@@ -205,10 +218,14 @@ def test_traceparent_of_output_is_child_of_command() -> None:
     cmd = Envelope.new("x.credit", {"account": "a", "amount": 1})
     child = cmd.child("x.credited", {}, 0)
     header = child.headers()["traceparent"]
-    assert header.startswith(f"00-{cmd.trace_id}-") and header != format_traceparent(cmd.trace_id or "", cmd.span_id or "")
+    assert header.startswith(f"00-{cmd.trace_id}-") and header != format_traceparent(
+        cmd.trace_id or "", cmd.span_id or ""
+    )
 
 
-async def test_published_marks_ride_in_later_transactions_or_land_when_idle(nats_url: str, sqlite_url: str) -> None:
+async def test_published_marks_ride_in_later_transactions_or_land_when_idle(
+    nats_url: str, sqlite_url: str
+) -> None:
     agent = ledger_agent()
     settings = settings_for(nats_url, sqlite_url, batch_size=2)
     conn = await open_conn(settings)

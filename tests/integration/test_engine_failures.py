@@ -45,7 +45,9 @@ def reasons(letters: list[Any]) -> dict[str, tuple[str, str]]:
     return out
 
 
-async def test_bad_commands_are_dead_lettered_and_the_worker_goes_on(nats_url: str, sqlite_url: str) -> None:
+async def test_bad_commands_are_dead_lettered_and_the_worker_goes_on(
+    nats_url: str, sqlite_url: str
+) -> None:
     agent = ledger_agent()
     settings = settings_for(nats_url, sqlite_url)
     conn = await open_conn(settings)
@@ -53,37 +55,63 @@ async def test_bad_commands_are_dead_lettered_and_the_worker_goes_on(nats_url: s
     try:
         async with running([agent], settings, store=store):
             unknown = await send(conn, agent.name, "explode", {"account": "a"})
-            invalid = await send(conn, agent.name, "credit", {"account": "a", "amount": -1, "mode": "invalid"})
-            missing = await send(conn, agent.name, "credit", {"account": "a", "amount": 1, "mode": "missing"})
+            invalid = await send(
+                conn, agent.name, "credit", {"account": "a", "amount": -1, "mode": "invalid"}
+            )
+            missing = await send(
+                conn, agent.name, "credit", {"account": "a", "amount": 1, "mode": "missing"}
+            )
             no_key = await send(conn, agent.name, "credit", {"amount": 1})
             wrong_type = await send(conn, agent.name, "credit", {"account": "a", "amount": "lots"})
             good = await send(conn, agent.name, "credit", {"account": "a", "amount": 2})
             await wait_until(lambda: consumer_idle(conn, agent.name))
             letters = reasons(await dead_letters_of(conn, agent.name))
-        assert letters[unknown.id][0] == "unrecoverable" and "unknown command" in letters[unknown.id][1]
-        assert letters[invalid.id] == ("unrecoverable", "ValueError: amount must be positive, got -1")
+        assert (
+            letters[unknown.id][0] == "unrecoverable"
+            and "unknown command" in letters[unknown.id][1]
+        )
+        assert letters[invalid.id] == (
+            "unrecoverable",
+            "ValueError: amount must be positive, got -1",
+        )
         assert letters[missing.id][0] == "unrecoverable" and "KeyError" in letters[missing.id][1]
-        assert letters[no_key.id][0] == "unrecoverable" and "lacks 'account'" in letters[no_key.id][1]
-        assert letters[wrong_type.id][0] == "unrecoverable" and "ValueError" in letters[wrong_type.id][1]
+        assert (
+            letters[no_key.id][0] == "unrecoverable" and "lacks 'account'" in letters[no_key.id][1]
+        )
+        assert (
+            letters[wrong_type.id][0] == "unrecoverable"
+            and "ValueError" in letters[wrong_type.id][1]
+        )
         assert good.id not in letters and len(letters) == 5
         events = [m.envelope() for m in await events_of(conn, agent.name)]
         assert [e.causation_id for e in events if e] == [good.id]
         with store.transaction() as tx:
-            state = msgspec.json.decode(tx.state_get(agent.name, "a", scope=SCOPE) or b"", type=Account)
-        assert state == Account(balance=2, history=[2])  # the failed handlers' in-place edits undone
+            state = msgspec.json.decode(
+                tx.state_get(agent.name, "a", scope=SCOPE) or b"", type=Account
+            )
+        assert state == Account(
+            balance=2, history=[2]
+        )  # the failed handlers' in-place edits undone
     finally:
         store.close()
         await conn.close()
 
 
-async def test_transient_failure_naks_it_and_later_same_resource_commands(nats_url: str, sqlite_url: str) -> None:
+async def test_transient_failure_naks_it_and_later_same_resource_commands(
+    nats_url: str, sqlite_url: str
+) -> None:
     agent = ledger_agent()
     settings = settings_for(nats_url, sqlite_url, batch_size=16)
     conn = await open_conn(settings)
     try:
         subject = f"cmd.default.test.{agent.name}.credit"
-        flaky = Envelope.new(f"{agent.name}.credit", {"account": "a", "amount": 1, "mode": "flaky", "times": 2})
-        after = [Envelope.new(f"{agent.name}.credit", {"account": "a", "amount": 10 + i}) for i in range(3)]
+        flaky = Envelope.new(
+            f"{agent.name}.credit", {"account": "a", "amount": 1, "mode": "flaky", "times": 2}
+        )
+        after = [
+            Envelope.new(f"{agent.name}.credit", {"account": "a", "amount": 10 + i})
+            for i in range(3)
+        ]
         other = Envelope.new(f"{agent.name}.credit", {"account": "b", "amount": 7})
         await send_many(conn, [(subject, e) for e in (flaky, *after, other)])
         async with running([agent], settings):
@@ -108,7 +136,9 @@ async def test_persistent_bug_ends_as_max_deliveries(nats_url: str, sqlite_url: 
     conn = await open_conn(settings)
     try:
         async with running([agent], settings):
-            bug = await send(conn, agent.name, "credit", {"account": "a", "amount": 1, "mode": "bug"})
+            bug = await send(
+                conn, agent.name, "credit", {"account": "a", "amount": 1, "mode": "bug"}
+            )
             await wait_until(lambda: consumer_idle(conn, agent.name), within=30)
             letters = reasons(await dead_letters_of(conn, agent.name))
         assert letters[bug.id][0] == "max_deliveries"
@@ -126,8 +156,18 @@ async def test_handler_timeout_is_transient(nats_url: str, sqlite_url: str) -> N
         async with running([agent], settings) as worker:
             for engine in worker._engines:
                 engine.handler_timeout = 0.2
-            slow = await send(conn, agent.name, "credit", {"account": "a", "amount": 1, "mode": "slow", "seconds": 5})
-            fast = await send(conn, agent.name, "credit", {"account": "b", "amount": 1, "mode": "slow", "seconds": 0.01})
+            slow = await send(
+                conn,
+                agent.name,
+                "credit",
+                {"account": "a", "amount": 1, "mode": "slow", "seconds": 5},
+            )
+            fast = await send(
+                conn,
+                agent.name,
+                "credit",
+                {"account": "b", "amount": 1, "mode": "slow", "seconds": 0.01},
+            )
             await wait_until(lambda: consumer_idle(conn, agent.name), within=30)
             letters = reasons(await dead_letters_of(conn, agent.name))
         assert letters[slow.id][0] == "max_deliveries" and "timed out" in letters[slow.id][1]
@@ -143,7 +183,9 @@ async def test_retry_with_delay_runs_again(nats_url: str, sqlite_url: str) -> No
     conn = await open_conn(settings)
     try:
         async with running([agent], settings):
-            cmd = await send(conn, agent.name, "credit", {"account": "a", "amount": 4, "mode": "retry"})
+            cmd = await send(
+                conn, agent.name, "credit", {"account": "a", "amount": 4, "mode": "retry"}
+            )
             await wait_until(lambda: consumer_idle(conn, agent.name), within=30)
         events = [m.envelope() for m in await events_of(conn, agent.name)]
         assert [e.causation_id for e in events if e] == [cmd.id]
@@ -178,7 +220,9 @@ class FlakyStore:
         return None  # every transaction through ``transaction``, where the failures are
 
 
-async def test_store_errors_nak_the_batch_and_nothing_is_half_done(nats_url: str, sqlite_url: str) -> None:
+async def test_store_errors_nak_the_batch_and_nothing_is_half_done(
+    nats_url: str, sqlite_url: str
+) -> None:
     for error, times in (
         (StoreError("could not serialize access", kind="conflict", retriable=True), 6),
         (StoreError("disk I/O error", kind="error"), 2),
@@ -190,14 +234,19 @@ async def test_store_errors_nak_the_batch_and_nothing_is_half_done(nats_url: str
         flaky = FlakyStore(real, fail=times, error=error)
         try:
             async with running([agent], settings, store=flaky):  # type: ignore[arg-type]
-                cmds = [await send(conn, agent.name, "credit", {"account": "a", "amount": i}) for i in range(1, 4)]
+                cmds = [
+                    await send(conn, agent.name, "credit", {"account": "a", "amount": i})
+                    for i in range(1, 4)
+                ]
                 await wait_until(lambda a=agent, c=conn: consumer_idle(c, a.name), within=30)  # type: ignore[misc]
             assert flaky.fail == 0
             events = [m.envelope() for m in await events_of(conn, agent.name)]
             assert sorted(e.causation_id for e in events if e) == sorted(c.id for c in cmds)
             assert len(list(real.events_read(agent.name, scope=SCOPE))) == 3
             with real.transaction() as tx:
-                state = msgspec.json.decode(tx.state_get(agent.name, "a", scope=SCOPE) or b"", type=Account)
+                state = msgspec.json.decode(
+                    tx.state_get(agent.name, "a", scope=SCOPE) or b"", type=Account
+                )
             assert state.balance == 6
             assert not await dead_letters_of(conn, agent.name)
         finally:
@@ -211,7 +260,9 @@ async def test_a_worker_told_to_stop_while_it_cannot_reach_nats_stops_at_once(
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    settings = settings_for(f"nats://127.0.0.1:{port}", sqlite_url, connect_attempts=100, connect_timeout=1.0)
+    settings = settings_for(
+        f"nats://127.0.0.1:{port}", sqlite_url, connect_attempts=100, connect_timeout=1.0
+    )
     caplog.set_level(logging.INFO, logger="meshforge.connection")
     worker = Worker([ledger_agent()], settings)
     run = asyncio.create_task(worker.run())
@@ -231,7 +282,10 @@ async def test_a_nul_in_a_resource_id_costs_only_its_own_command(
     conn = await open_conn(settings)
     try:
         subject = f"cmd.default.test.{agent.name}.credit"
-        good = [Envelope.new(f"{agent.name}.credit", {"account": f"acc{i}", "amount": 1}) for i in range(6)]
+        good = [
+            Envelope.new(f"{agent.name}.credit", {"account": f"acc{i}", "amount": 1})
+            for i in range(6)
+        ]
         bad = Envelope.new(f"{agent.name}.credit", {"account": "bad\u0000id", "amount": 1})
         # All in the stream before the worker starts: they arrive as one batch.
         await send_many(conn, [(subject, e) for e in (*good[:3], bad, *good[3:])])
@@ -264,7 +318,10 @@ async def test_a_nul_order_id_is_dead_lettered_alone_by_a_plain_function_agent(
     tenant = f"t{uuid.uuid4().hex[:8]}"  # the shared database: rows of this test's own
     subject = f"cmd.{tenant}.demo.order.create"
     try:
-        good = [Envelope.new("order.create", {"order_id": f"o{i}", "sku": "S", "qty": 1}) for i in range(4)]
+        good = [
+            Envelope.new("order.create", {"order_id": f"o{i}", "sku": "S", "qty": 1})
+            for i in range(4)
+        ]
         bad = Envelope.new("order.create", {"order_id": "o\u0000bad", "sku": "S", "qty": 1})
         await send_many(conn, [(subject, e) for e in (good[0], good[1], bad, good[2], good[3])])
         async with running([OrderAgent()], settings):
@@ -293,7 +350,9 @@ async def test_an_output_too_large_to_publish_is_refused_before_its_effect_is_st
     try:
         subject = f"cmd.default.test.{agent.name}.credit"
         limit = conn.nc.max_payload
-        huge = Envelope.new(f"{agent.name}.credit", {"account": "a", "amount": 5, "mode": "huge", "bytes": limit})
+        huge = Envelope.new(
+            f"{agent.name}.credit", {"account": "a", "amount": 5, "mode": "huge", "bytes": limit}
+        )
         good = Envelope.new(f"{agent.name}.credit", {"account": "a", "amount": 1})
         await send_many(conn, [(subject, huge), (subject, good)])
         store = await open_store_async(sqlite_url)

@@ -80,7 +80,12 @@ def ledger_agent(name: str | None = None) -> Agent[Account]:
                 await asyncio.sleep(float(p["seconds"]))
             amount = int(p["amount"])
             if mode == "huge":  # an event larger than the server takes
-                return [Event("credited", {"account": p["account"], "amount": amount, "pad": "x" * int(p["bytes"])})]
+                return [
+                    Event(
+                        "credited",
+                        {"account": p["account"], "amount": amount, "pad": "x" * int(p["bytes"])},
+                    )
+                ]
             return [
                 Event("credited", {"account": p["account"], "amount": amount,
                                    "balance": state.balance + amount}),
@@ -134,7 +139,9 @@ async def running(
         await asyncio.wait_for(task, 30)
 
 
-async def send(conn: Connection, agent: str, cmd: str, payload: dict[str, Any], **fields: Any) -> Envelope:
+async def send(
+    conn: Connection, agent: str, cmd: str, payload: dict[str, Any], **fields: Any
+) -> Envelope:
     env = Envelope.new(f"{agent}.{cmd}", payload, source="test", **fields)
     await Publisher(conn.js).publish(f"cmd.default.test.{agent}.{cmd}", env)
     return env
@@ -144,7 +151,9 @@ async def send_many(conn: Connection, envs: list[tuple[str, Envelope]]) -> None:
     await Publisher(conn.js).publish_many([Outbound.of(subject, env) for subject, env in envs])
 
 
-async def wait_until(check: Callable[[], Awaitable[bool]], within: float = 20.0, what: str = "") -> None:
+async def wait_until(
+    check: Callable[[], Awaitable[bool]], within: float = 20.0, what: str = ""
+) -> None:
     await polling.wait_until(check, timeout=within, what=what or "condition")
 
 
@@ -232,7 +241,9 @@ class EventWatchFor:
         with contextlib.suppress(Exception):
             await self._sub.unsubscribe()
 
-    async def first(self, predicate: Callable[[Seen], bool], *, after: int = 0, within: float = 20.0) -> Seen:
+    async def first(
+        self, predicate: Callable[[Seen], bool], *, after: int = 0, within: float = 20.0
+    ) -> Seen:
         deadline = time.monotonic() + within
         index = after
         while True:
@@ -241,7 +252,9 @@ class EventWatchFor:
                     return self.seen[index]
                 index += 1
             if time.monotonic() > deadline:
-                raise AssertionError(f"no matching event within {within}s; saw {[s.type for s in self.seen]}")
+                raise AssertionError(
+                    f"no matching event within {within}s; saw {[s.type for s in self.seen]}"
+                )
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), max(deadline - time.monotonic(), 0.01))

@@ -124,7 +124,10 @@ async def test_a_cut_site_runs_what_it_holds_and_catches_up_when_the_link_return
             async def sent_during_cut() -> bool:
                 # A record being rewritten may be missing from one listing of the bucket.
                 states = {k: r.state for k, r in (await store.nodes(job)).items()}
-                return states.get("plantA.n2") == "IN_PROGRESS" and states.get("plantB.n1") == "SUCCEEDED"
+                return (
+                    states.get("plantA.n2") == "IN_PROGRESS"
+                    and states.get("plantB.n1") == "SUCCEEDED"
+                )
 
             await wait_until(sent_during_cut, 15, "the rest to be sent while plantA is cut")
             records = await store.nodes(job)
@@ -146,9 +149,15 @@ async def test_a_cut_site_runs_what_it_holds_and_catches_up_when_the_link_return
             await site_a.close()
         records = await store.nodes(job)
         assert summarize(records)["SUCCEEDED"] == 5, records
-        status = await meshforge("ctl", "job", "status", job, "--json", "--nats-url", hub.server.url)
+        status = await meshforge(
+            "ctl", "job", "status", job, "--json", "--nats-url", hub.server.url
+        )
         report = json.loads(status.stdout)
-        assert (report["status"], report["counts"]["SUCCEEDED"], report["failed_share"]) == ("completed", 5, 0.0)
+        assert (report["status"], report["counts"]["SUCCEEDED"], report["failed_share"]) == (
+            "completed",
+            5,
+            0.0,
+        )
         ran = Counter(r[0] for r in runs(run_log))
         assert set(ran) == {attempt_id(job, s, n, 1) for s, n in order}
         assert set(ran.values()) == {1}, f"a command ran twice: {ran}"
@@ -186,7 +195,9 @@ async def test_server_cli_runs_a_hub_and_a_site_that_links_itself(tmp_path: Path
 
 
 async def test_the_fleet_demo_tells_its_story(tmp_path: Path) -> None:
-    result = await meshforge("demo", "--fleet", "--fleet-nodes", "3", env={"MESHFORGE_HOME": str(tmp_path)})
+    result = await meshforge(
+        "demo", "--fleet", "--fleet-nodes", "3", env={"MESHFORGE_HOME": str(tmp_path)}
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "every node ran it once: yes" in result.stdout
     assert "no canceled command ran" in result.stdout and "plantB's link is back" in result.stdout
@@ -199,14 +210,21 @@ async def test_a_hub_with_leaf_logins_links_only_the_site_that_knows_its_passwor
     leaf_port = free_port()
     hub = hub_server(tmp_path / "hub", leaf_port=leaf_port, leaf_users=leaf_block(["plantX"]))
     url = f"nats-leaf://127.0.0.1:{leaf_port}"
-    good = site_server("plantX", url, store_dir=tmp_path / "good", user=leaf_user("plantX"), password="leaf-pw-9Z")
-    bad = site_server("plantY", url, store_dir=tmp_path / "bad", user=leaf_user("plantX"), password="wrong")
+    good = site_server(
+        "plantX", url, store_dir=tmp_path / "good", user=leaf_user("plantX"), password="leaf-pw-9Z"
+    )
+    bad = site_server(
+        "plantY", url, store_dir=tmp_path / "bad", user=leaf_user("plantX"), password="wrong"
+    )
     servers = [hub, good, bad]
     try:
         for server in servers:
             await asyncio.to_thread(server.start)
         config = (tmp_path / "good" / "meshforge-site.conf").read_text()
-        assert "leaf-pw-9Z" in config and (tmp_path / "good" / "meshforge-site.conf").stat().st_mode & 0o077 == 0
+        assert (
+            "leaf-pw-9Z" in config
+            and (tmp_path / "good" / "meshforge-site.conf").stat().st_mode & 0o077 == 0
+        )
 
         async def linked(server: EmbeddedServer, site: str) -> bool:
             try:
@@ -217,7 +235,9 @@ async def test_a_hub_with_leaf_logins_links_only_the_site_that_knows_its_passwor
 
         await wait_until(lambda: linked(good, "plantX"), 30, "the site with the password to link")
         assert not await linked(bad, "plantY"), "a site with a wrong password reached the hub"
-        assert "authentication failure" in (tmp_path / "hub" / "nats-server.log").read_text().lower()
+        assert (
+            "authentication failure" in (tmp_path / "hub" / "nats-server.log").read_text().lower()
+        )
     finally:
         for server in servers:
             await asyncio.to_thread(server.close)

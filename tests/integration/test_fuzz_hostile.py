@@ -117,17 +117,20 @@ class Rig:
     tenants: dict[str, str]  # "A"/"B" -> this test's tenant names
 
 
-
 @pytest.fixture
 async def rig(private_server: EmbeddedServer, own_store_url: str) -> AsyncIterator[Rig]:
     config = settings_for(private_server.url, own_store_url, batch_size=16)
     worker = Worker([OrderAgent(), InventoryAgent()], config)
     task = asyncio.create_task(worker.run())
-    await polling.wait_until(lambda: worker.ready.is_set() or task.done(), timeout=20, what="worker ready")
+    await polling.wait_until(
+        lambda: worker.ready.is_set() or task.done(), timeout=20, what="worker ready"
+    )
     assert not task.done(), f"the worker did not start: {task.exception()!r}"
     conn = await connect(config, name="fuzz")
     try:
-        yield Rig(conn, worker, task, {"A": f"ta{uuid.uuid4().hex[:6]}", "B": f"tb{uuid.uuid4().hex[:6]}"})
+        yield Rig(
+            conn, worker, task, {"A": f"ta{uuid.uuid4().hex[:6]}", "B": f"tb{uuid.uuid4().hex[:6]}"}
+        )
     finally:
         await conn.close()
         await worker.stop()
@@ -144,7 +147,9 @@ class Sent:
     good: bool
 
 
-def _build(item: Hostile, tenants: dict[str, str], max_payload: int) -> tuple[str, bytes, dict[str, str], str | None]:
+def _build(
+    item: Hostile, tenants: dict[str, str], max_payload: int
+) -> tuple[str, bytes, dict[str, str], str | None]:
     tenant = tenants[item.tenant]
     subject = f"cmd.{tenant}.demo.order.{item.command}"
     headers = dict(item.headers)
@@ -185,7 +190,9 @@ async def _send(rig: Rig, batch: list[Hostile]) -> list[Sent]:
                 assert not good, f"a good command was refused: {subject}"
                 if not nc.is_connected:
                     await nc.close()
-                    nc = await nats.connect(rig.conn.nc.connected_url.geturl(), allow_reconnect=False)  # type: ignore[union-attr]
+                    nc = await nats.connect(
+                        rig.conn.nc.connected_url.geturl(), allow_reconnect=False
+                    )  # type: ignore[union-attr]
                     js = nc.jetstream()
                 continue
             if not ack.duplicate:
@@ -197,11 +204,17 @@ async def _send(rig: Rig, batch: list[Hostile]) -> list[Sent]:
 
 def _good(rig: Rig, i: int) -> tuple[str, bytes, dict[str, str], str | None, bool]:
     tenant = rig.tenants["A" if i == 0 else "B"]
-    env = Envelope.new("order.create", {"order_id": f"good-{uuid.uuid4().hex}", "sku": "S", "qty": 1}, tenant_id=tenant)
+    env = Envelope.new(
+        "order.create",
+        {"order_id": f"good-{uuid.uuid4().hex}", "sku": "S", "qty": 1},
+        tenant_id=tenant,
+    )
     return f"cmd.{tenant}.demo.order.create", env.encode(), env.headers(), env.id, True
 
 
-async def _outcomes(rig: Rig, sent: list[Sent], events_from: int, failed_from: int) -> tuple[list[StreamMessage], list[StreamMessage]]:
+async def _outcomes(
+    rig: Rig, sent: list[Sent], events_from: int, failed_from: int
+) -> tuple[list[StreamMessage], list[StreamMessage]]:
     """Wait until every sent message is dead-lettered or has caused an event."""
     deadline = time.monotonic() + OUTCOME_WAIT
     while True:
@@ -209,13 +222,17 @@ async def _outcomes(rig: Rig, sent: list[Sent], events_from: int, failed_from: i
         letters = await read_stream(rig.conn.js, STREAM_FAILED, "failed.cmd.>", failed_from)
         caused = {(e.envelope() or _NO).causation_id for e in events}
         lettered = {int(m.headers.get("Dlq-Stream-Seq", "0")) for m in letters}
-        waiting = [s for s in sent if s.seq not in lettered and (s.id is None or s.id not in caused)]
+        waiting = [
+            s for s in sent if s.seq not in lettered and (s.id is None or s.id not in caused)
+        ]
         if not waiting:
             return events, letters
         assert not rig.task.done(), f"the worker exited: {rig.task.exception()!r}"
         if time.monotonic() > deadline:
             stuck = [s.seq for s in waiting]
-            raise AssertionError(f"messages at seq {stuck} were neither processed nor dead-lettered within {OUTCOME_WAIT:g}s")
+            raise AssertionError(
+                f"messages at seq {stuck} were neither processed nor dead-lettered within {OUTCOME_WAIT:g}s"
+            )
         await asyncio.sleep(0.05)
 
 
@@ -232,15 +249,24 @@ async def _drained(rig: Rig) -> None:
         info = await rig.conn.js.consumer_info(STREAM_COMMANDS, "order_consumer")
         if info.num_pending == 0 and info.num_ack_pending == 0:
             return
-        assert time.monotonic() < deadline, f"order_consumer never drained: {info.num_pending} pending, {info.num_ack_pending} unacked"
+        assert time.monotonic() < deadline, (
+            f"order_consumer never drained: {info.num_pending} pending, {info.num_ack_pending} unacked"
+        )
         await asyncio.sleep(0.05)
 
 
 @pytest.mark.slow
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+@settings(
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False
+)
 @given(batch=st.lists(_hostile, min_size=1, max_size=5))
-async def test_hostile_messages_are_processed_once_or_dead_lettered(rig: Rig, batch: list[Hostile]) -> None:
-    events_from, failed_from = await _last(rig, STREAM_EVENTS) + 1, await _last(rig, STREAM_FAILED) + 1
+async def test_hostile_messages_are_processed_once_or_dead_lettered(
+    rig: Rig, batch: list[Hostile]
+) -> None:
+    events_from, failed_from = (
+        await _last(rig, STREAM_EVENTS) + 1,
+        await _last(rig, STREAM_FAILED) + 1,
+    )
     sent = await _send(rig, batch)
     events, letters = await _outcomes(rig, sent, events_from, failed_from)
     await _drained(rig)  # nothing left to run: the counts below are final for this batch
@@ -254,13 +280,19 @@ async def test_hostile_messages_are_processed_once_or_dead_lettered(rig: Rig, ba
         assert env.tenant_id == tenant, f"event on {e.subject} carries tenant {env.tenant_id!r}"
     for letter in letters:
         reason = letter.headers.get("Dlq-Reason")
-        assert reason in ALLOWED_REASONS, f"dead letter {letter.subject} has reason {reason!r}: {letter.headers.get('Dlq-Error')}"
+        assert reason in ALLOWED_REASONS, (
+            f"dead letter {letter.subject} has reason {reason!r}: {letter.headers.get('Dlq-Error')}"
+        )
         assert "\n" not in letter.headers.get("Dlq-Error", "")
     lettered = {int(m.headers.get("Dlq-Stream-Seq", "0")) for m in letters}
     for s in sent:
         processed = by_cause.get(s.id or "-", 0)
         if s.good:
-            assert processed == 1 and s.seq not in lettered, f"good command {s.id}: {processed} events"
+            assert processed == 1 and s.seq not in lettered, (
+                f"good command {s.id}: {processed} events"
+            )
         else:
-            assert (processed == 1) != (s.seq in lettered), f"seq {s.seq}: {processed} events, dead letter: {s.seq in lettered}"
+            assert (processed == 1) != (s.seq in lettered), (
+                f"seq {s.seq}: {processed} events, dead letter: {s.seq in lettered}"
+            )
     assert not rig.task.done(), "the worker exited"

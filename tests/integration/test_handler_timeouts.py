@@ -31,7 +31,9 @@ class Calls(msgspec.Struct):
     n: int = 0
 
 
-def sleepy_agent(agent_timeout: float | None = None, command_timeout: float | None = None) -> Agent[Calls]:
+def sleepy_agent(
+    agent_timeout: float | None = None, command_timeout: float | None = None
+) -> Agent[Calls]:
     """``nap {"id", "seconds"}`` sleeps (awaiting) then emits ``napped``; ``started``
     counts the handler's starts per command id."""
 
@@ -61,7 +63,9 @@ async def test_async_handler_longer_than_half_the_ack_wait_is_kept_alive_and_app
     conn = await open_conn(settings)
     try:
         async with running([agent], settings):
-            cmds = [await send(conn, agent.name, "nap", {"id": f"r{i}", "seconds": 3}) for i in range(5)]
+            cmds = [
+                await send(conn, agent.name, "nap", {"id": f"r{i}", "seconds": 3}) for i in range(5)
+            ]
             await wait_until(lambda: consumer_idle(conn, agent.name), within=60)
         letters = await dead_letters_of(conn, agent.name)
         assert letters == [], [m.headers.get("Dlq-Error") for m in letters]

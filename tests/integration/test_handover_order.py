@@ -51,7 +51,11 @@ PARTITIONS = 4
 SLOTS = {*(f"p{k}" for k in range(PARTITIONS)), "u"}
 # Ack wait and redelivery delay of 3 s: a handler of 1.1 s is slower than a third of it
 # (in_progress beats) and faster than the handler timeout (half of it).
-TIMING = {"MESHFORGE_ACK_WAIT": "3s", "MESHFORGE_BACKOFF": "3s", "MESHFORGE_PARTITION_LEASE": "1.5s"}
+TIMING = {
+    "MESHFORGE_ACK_WAIT": "3s",
+    "MESHFORGE_BACKOFF": "3s",
+    "MESHFORGE_PARTITION_LEASE": "1.5s",
+}
 SLOW = 1.1
 
 
@@ -78,7 +82,9 @@ class Rig:
 
     async def bucket(self) -> KeyValue:
         if self.kv is None:
-            await wait_until(lambda: ensure_bucket_exists(self.conn.js), timeout=30, what="the ownership bucket")
+            await wait_until(
+                lambda: ensure_bucket_exists(self.conn.js), timeout=30, what="the ownership bucket"
+            )
             self.kv = await self.conn.js.key_value(BUCKET)
         return self.kv
 
@@ -102,8 +108,12 @@ class Rig:
         out = []
         for seq in seqs:
             for r in resources:
-                env = Envelope.new("seq.step", {"seq": seq, **payload}, resource_id=r, source="test")
-                out.append(Outbound.of(partitioned("cmd.default.test.seq.step", env, self.settings), env))
+                env = Envelope.new(
+                    "seq.step", {"seq": seq, **payload}, resource_id=r, source="test"
+                )
+                out.append(
+                    Outbound.of(partitioned("cmd.default.test.seq.step", env, self.settings), env)
+                )
                 self.sent[r] = max(self.sent.get(r, 0), seq + 1)
         await Publisher(self.conn.js, self.settings).publish_many(out)
 
@@ -151,7 +161,9 @@ class Rig:
                     raw = tx.state_get("seq", r, scope=Scope("default", "test"))
                     assert raw is not None, f"{r}: no state stored"
                     state = msgspec.json.decode(raw, type=Seen)
-                    assert (state.last, state.count) == (count - 1, count), f"{r}: stored state {state}"
+                    assert (state.last, state.count) == (count - 1, count), (
+                        f"{r}: stored state {state}"
+                    )
         finally:
             store.close()
 
@@ -173,10 +185,14 @@ async def rig(server: EmbeddedServer, store: str, tmp: Path) -> AsyncIterator[Ri
 def resources_in(slot: str, count: int) -> list[str]:
     """``count`` resource names whose commands go to partition ``slot``."""
     names = (f"r{i}" for i in itertools.count())
-    return list(itertools.islice((n for n in names if f"p{partition_of(n, PARTITIONS)}" == slot), count))
+    return list(
+        itertools.islice((n for n in names if f"p{partition_of(n, PARTITIONS)}" == slot), count)
+    )
 
 
-async def two_workers(r: Rig, **second: str) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
+async def two_workers(
+    r: Rig, **second: str
+) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
     """A first worker owning everything, then a second one given its share (3 and 2)."""
     first = r.start()
     await r.owning({first.pid: 5}, "the first worker owning every slot")
@@ -212,12 +228,18 @@ async def test_in_progress_after_the_new_owner_counted(
         names = resources_in(slot, 2)
         await r.send(names, range(1), pause=2.2)  # over a third of the ack wait, under half
         await r.send(names, range(1, 6), pause=0.4)
-        await wait_until(lambda: at(r.ack_pending(slot), 12), timeout=20, what="12 commands held by the owner")
+        await wait_until(
+            lambda: at(r.ack_pending(slot), 12), timeout=20, what="12 commands held by the owner"
+        )
         os.kill(old.pid, signal.SIGSTOP)
         try:
             counted = rf"seq_consumer_{slot}: \d+ unacknowledged"
-            await wait_until(lambda: r.logged(new, counted), timeout=30, what=f"the new owner counting {slot}")
-            await asyncio.sleep(1.0)  # the fault's length: its beats then go out after the take-over
+            await wait_until(
+                lambda: r.logged(new, counted), timeout=30, what=f"the new owner counting {slot}"
+            )
+            await asyncio.sleep(
+                1.0
+            )  # the fault's length: its beats then go out after the take-over
         finally:
             os.kill(old.pid, signal.SIGCONT)  # its keep-alive beats go out now
         await r.send(names, range(6, 10))
@@ -241,7 +263,9 @@ async def test_more_held_than_the_new_owner_may_hold(
         for wave in range(1, 7):
             await asyncio.sleep(0.15)  # pacing: each wave its own fetch, its own beats
             await r.send(names, range(wave, wave + 1))
-        await wait_until(lambda: at(r.ack_pending(slot), 21), timeout=20, what="21 commands held by the owner")
+        await wait_until(
+            lambda: at(r.ack_pending(slot), 21), timeout=20, what="21 commands held by the owner"
+        )
         await asyncio.sleep(0.5)  # pacing: the waves' in_progress beats spread over the ack wait
         old.kill()
         old.wait()
@@ -292,7 +316,9 @@ async def test_sigkill_of_the_owner_mid_flight(
             await r.send([head], range(1), retry_once=str(tmp_path / "retried"), retry=8)
             await wait_until(naked.is_set, timeout=20, what="the head nak'ed for 8 s")
         await r.send([slow], range(3), pause=SLOW)
-        await wait_until(lambda: at(r.ack_pending(slot), 4), timeout=20, what="the slow group in flight")
+        await wait_until(
+            lambda: at(r.ack_pending(slot), 4), timeout=20, what="the slow group in flight"
+        )
         old.kill()
         old.wait()
         await r.owning({new.pid: 5}, "the new owner owning every slot")
@@ -315,14 +341,18 @@ async def test_sigstop_of_the_owner_past_its_lease(
             await r.send([head], range(1), retry_once=str(tmp_path / "retried"), retry=8)
             await wait_until(naked.is_set, timeout=20, what="the head nak'ed for 8 s")
         await r.send([slow], range(3), pause=SLOW)
-        await wait_until(lambda: at(r.ack_pending(slot), 4), timeout=20, what="the slow group in flight")
+        await wait_until(
+            lambda: at(r.ack_pending(slot), 4), timeout=20, what="the slow group in flight"
+        )
         os.kill(old.pid, signal.SIGSTOP)
         try:
             await r.owning({new.pid: 5}, "the other worker owning every slot")
             await r.send([head], range(1, 6))
             await r.send([slow], range(3, 8))
             pulled = rf"consumer MESHFORGE_COMMANDS/seq_consumer_{slot} pulling"
-            await wait_until(lambda: r.logged(new, pulled), timeout=20, what=f"the new owner pulling {slot}")
+            await wait_until(
+                lambda: r.logged(new, pulled), timeout=20, what=f"the new owner pulling {slot}"
+            )
         finally:
             os.kill(old.pid, signal.SIGCONT)
         await r.verify()

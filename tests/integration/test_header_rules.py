@@ -42,7 +42,9 @@ async def test_the_runtime_and_spark_read_every_hostile_block_alike(
             for i, (_, block, _) in enumerate(HOSTILE)
         )
         await nc.send_now(commands)
-        await wait_until(lambda: len(queued) == len(direct) == len(HOSTILE), what="every block, read back")
+        await wait_until(
+            lambda: len(queued) == len(direct) == len(HOSTILE), what="every block, read back"
+        )
         info = await js.stream_info(STREAM)
         assert info.state.messages == len(HOSTILE)
 
@@ -68,7 +70,11 @@ async def test_the_runtime_and_spark_read_every_hostile_block_alike(
         by_get = await asyncio.to_thread(spark_reads, "workqueue")  # STREAM.MSG.GET, stored blocks
         for i, (name, block, expected) in enumerate(HOSTILE):
             subject = f"hdrrules.{i}"
-            seen = {"runtime": stored[subject], "spark, pull": by_pull[subject], "spark, get": by_get[subject]}
+            seen = {
+                "runtime": stored[subject],
+                "spark, pull": by_pull[subject],
+                "spark, get": by_get[subject],
+            }
             assert seen == dict.fromkeys(seen, stored[subject]), name
             if not block.startswith(b"NATS/1.0 "):  # kept as sent
                 assert stored[subject] == expected, name

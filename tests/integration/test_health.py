@@ -63,7 +63,11 @@ async def test_node_readyz_is_503_while_nats_is_disconnected(
         await _follow_the_server(private_server, port)
         code, body = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}/healthz")
         report = json.loads(body)
-        assert code == 200 and (report["site"], report["node"], report["epoch"]) == ("lab1", "n1", 1)
+        assert code == 200 and (report["site"], report["node"], report["epoch"]) == (
+            "lab1",
+            "n1",
+            1,
+        )
     finally:
         assert node.stop() == 0, node.output()
 

@@ -99,7 +99,9 @@ def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Embedded
 
 
 def settings(user: str, **more: str) -> Settings:
-    return load_settings({"user": user, "password": password(user), "connect_attempts": 1, **more}, env={})
+    return load_settings(
+        {"user": user, "password": password(user), "connect_attempts": 1, **more}, env={}
+    )
 
 
 @pytest.fixture
@@ -127,7 +129,9 @@ async def hostile(server: EmbeddedServer, user: str) -> Hostile:
 
         return keep
 
-    await spy.nc.connect(server.url, user=user, password=password(user), error_cb=on_error, allow_reconnect=False)
+    await spy.nc.connect(
+        server.url, user=user, password=password(user), error_cb=on_error, allow_reconnect=False
+    )
     for subject in (*SUBSCRIPTIONS, f"_INBOX_{user}.>"):
         await spy.nc.subscribe(subject, cb=keeper(subject))
     await spy.nc.flush()
@@ -135,7 +139,9 @@ async def hostile(server: EmbeddedServer, user: str) -> Hostile:
 
 
 def child(args: list[str], user: str, log: Path, **env: str) -> Child:
-    return Child(args, log, env={"MESHFORGE_USER": user, "MESHFORGE_PASSWORD": password(user), **env})
+    return Child(
+        args, log, env={"MESHFORGE_USER": user, "MESHFORGE_PASSWORD": password(user), **env}
+    )
 
 
 async def stored(admin: Connection, stream: str, subjects: str) -> int:
@@ -164,18 +170,26 @@ async def test_a_hostile_tenant_and_site_get_nothing_of_the_others_on_the_wire(
     try:
         for i in range(5):
             body = {"order_id": f"a-{i}", "sku": secret, "qty": 1}
-            await Publisher(acme.js).publish("cmd.acme.demo.order.create", Envelope.new("order.create", body))
+            await Publisher(acme.js).publish(
+                "cmd.acme.demo.order.create", Envelope.new("order.create", body)
+            )
         mine = {"order_id": "e-1", "sku": "evil-own", "qty": 1}
-        await Publisher(evil.js).publish("cmd.evil.demo.order.create", Envelope.new("order.create", mine))
+        await Publisher(evil.js).publish(
+            "cmd.evil.demo.order.create", Envelope.new("order.create", mine)
+        )
         for site, node, say in (("site1", "n1", site_secret), ("site2", "n2", "site2-own")):
-            await Publisher(ops.js).publish(f"control.cmd.{site}.{node}", Envelope.new("echo", {"say": say}))
+            await Publisher(ops.js).publish(
+                f"control.cmd.{site}.{node}", Envelope.new("echo", {"say": say})
+            )
         for what, stream, subjects, count in (
             ("acme's 5 orders", STREAM_EVENTS, "evt.acme.demo.order.created", 5),
             ("evil's own order", STREAM_EVENTS, "evt.evil.demo.order.created", 1),
             ("site1's reply", "MESHFORGE_REPLIES", "control.reply.site1.n1", 1),
             ("site2's reply", "MESHFORGE_REPLIES", "control.reply.site2.n2", 1),
         ):
-            await wait_until(lambda s=stream, f=subjects, c=count: _at_least(admin, s, f, c), 60, what)  # type: ignore[misc]
+            await wait_until(
+                lambda s=stream, f=subjects, c=count: _at_least(admin, s, f, c), 60, what
+            )  # type: ignore[misc]
         await _try_everything(spies)
     finally:
         for conn in (acme, evil, ops):
@@ -186,7 +200,9 @@ async def test_a_hostile_tenant_and_site_get_nothing_of_the_others_on_the_wire(
     assert codes == [0, 0, 0, 0], [p.output() for p in procs]
     for spy in spies:
         got = spy.texts()
-        assert secret not in got and site_secret not in got, f"{spy.user} read another tenant's traffic:\n{got}"
+        assert secret not in got and site_secret not in got, (
+            f"{spy.user} read another tenant's traffic:\n{got}"
+        )
         # Only its own inbox ever delivered: its own replies (and its user's own pulls and PubAcks).
         assert {sub for sub, _ in spy.got} <= {f"_INBOX_{spy.user}.>"}, got
     evil_pub = next(spy for spy in spies if spy.user == "evil-pub")
@@ -198,9 +214,13 @@ async def test_a_hostile_tenant_and_site_get_nothing_of_the_others_on_the_wire(
     log = server.log_file.read_text()
     for spy in spies:
         for subject in FOREIGN:
-            assert f'"{subject}"' in _violations(log, spy.user), f"{spy.user} was not refused {subject}"
+            assert f'"{subject}"' in _violations(log, spy.user), (
+                f"{spy.user} was not refused {subject}"
+            )
         for subject in SUBSCRIPTIONS:
-            assert f'"{subject}"' in _violations(log, spy.user, "Subscription"), f"{spy.user} may subscribe {subject}"
+            assert f'"{subject}"' in _violations(log, spy.user, "Subscription"), (
+                f"{spy.user} may subscribe {subject}"
+            )
 
 
 async def _at_least(admin: Connection, stream: str, subjects: str, count: int) -> bool:
@@ -212,7 +232,11 @@ async def _try_everything(spies: list[Hostile]) -> None:
     for spy in spies:
         args = ["permissions", *USERS[spy.user], "--user", spy.user]
         block = CliRunner().invoke(app, args).output
-        granted = [line.strip().strip('"') for line in block.splitlines() if line.strip().startswith('"$JS.API.')]
+        granted = [
+            line.strip().strip('"')
+            for line in block.splitlines()
+            if line.strip().startswith('"$JS.API.')
+        ]
         for subject in granted:
             body = {"batch": 10, "expires": 200_000_000} if ".MSG.NEXT." in subject else {}
             if subject.endswith(".>"):
@@ -228,4 +252,8 @@ async def _try_everything(spies: list[Hostile]) -> None:
 
 def _violations(log: str, user: str, kind: str = "Publish") -> str:
     """The server's refusals of ``kind`` for ``user``: the log names the user and the subject."""
-    return "\n".join(line for line in log.splitlines() if f"{kind} Violation" in line and f'/user:{user}"' in line)
+    return "\n".join(
+        line
+        for line in log.splitlines()
+        if f"{kind} Violation" in line and f'/user:{user}"' in line
+    )

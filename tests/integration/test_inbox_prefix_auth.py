@@ -32,24 +32,39 @@ async def test_a_user_granted_only_the_shared_inbox_is_told_what_to_grant(tmp_pa
             await connect(s, url=server.url)
         message = str(info.value)
         assert "\n" not in message and "after 1 attempt(s)" in message, message
-        assert "allow _INBOX_alice.> (`meshforge permissions` prints it) or set MESHFORGE_INBOX_PREFIX" in message
+        assert (
+            "allow _INBOX_alice.> (`meshforge permissions` prints it) or set MESHFORGE_INBOX_PREFIX"
+            in message
+        )
         options = {"servers": server.url, "user": "alice", "password": "pw"}
         with pytest.raises(ConnectionFailed, match=re.escape("reply inbox _INBOX_alice.>")):
             SyncNats(ConnOptions.from_options(options))
         # The prefix the server allows, set by hand: it connects and gets its replies.
-        legacy = load_settings({"user": "alice", "password": "pw", "inbox_prefix": "_INBOX"}, env={})
+        legacy = load_settings(
+            {"user": "alice", "password": "pw", "inbox_prefix": "_INBOX"}, env={}
+        )
         async with await connect(legacy, url=server.url) as conn:
             assert "error" not in (await conn.health())["jetstream"]
 
 
-def test_the_cli_uses_the_prefix_the_printed_block_grants(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    block = CliRunner().invoke(
-        app, ["permissions", "admin", "--user", "deploy", "--inbox-prefix", "_INBOX_ops.deploy"]
-    ).output
+def test_the_cli_uses_the_prefix_the_printed_block_grants(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    block = (
+        CliRunner()
+        .invoke(
+            app, ["permissions", "admin", "--user", "deploy", "--inbox-prefix", "_INBOX_ops.deploy"]
+        )
+        .output
+    )
     assert '"_INBOX_ops.deploy.>"' in block
     monkeypatch.setenv("DEPLOY_PASSWORD", "pw-deploy")
     with configured_server(tmp_path, block) as server:
-        base = {"MESHFORGE_USER": "deploy", "MESHFORGE_PASSWORD": "pw-deploy", "PATH": "/usr/bin:/bin"}
+        base = {
+            "MESHFORGE_USER": "deploy",
+            "MESHFORGE_PASSWORD": "pw-deploy",
+            "PATH": "/usr/bin:/bin",
+        }
 
         def provision(**env: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run(

@@ -39,7 +39,20 @@ RUNBOOK = ROOT / "docs" / "RUNBOOK.md"
 OPERATIONS = ROOT / "docs" / "OPERATIONS.md"
 # Prometheus makes `up` itself from each scrape; every other series must be ours.
 PROMETHEUS_OWN = {"up"}
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset", "le"}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "le",
+}
 _DURATION = re.compile(r"^\d+[smhdwy]$")
 
 
@@ -107,10 +120,13 @@ def test_alert_rules_are_valid_prometheus_rules() -> None:
 
 
 def test_the_promql_check_finds_names() -> None:
-    assert series_in('sum by (job, consumer) (increase(meshforge_acked_total{job="x"}[10m])) > 0') == {
-        "meshforge_acked_total"
+    assert series_in(
+        'sum by (job, consumer) (increase(meshforge_acked_total{job="x"}[10m])) > 0'
+    ) == {"meshforge_acked_total"}
+    assert series_in('up{job="meshforge-node"} == 0 or meshforge_ready{job="n"} == 0') == {
+        "up",
+        "meshforge_ready",
     }
-    assert series_in('up{job="meshforge-node"} == 0 or meshforge_ready{job="n"} == 0') == {"up", "meshforge_ready"}
     assert not _balanced("sum(rate(x[5m])")
 
 
@@ -137,7 +153,9 @@ async def exported(nats_url: str, tmp_path: Path) -> dict[str, dict[Any, float]]
         assert worker.endpoint is not None
         wport = worker.endpoint.port
         pub = Publisher(conn.js, settings)
-        await pub.publish("cmd.default.demo.order.create", Envelope.new("order.create", {"sku": "S", "qty": 1}))
+        await pub.publish(
+            "cmd.default.demo.order.create", Envelope.new("order.create", {"sku": "S", "qty": 1})
+        )
 
         def processed() -> bool:
             rows = scrape(wport).get("meshforge_effects_rows", {})
@@ -145,16 +163,23 @@ async def exported(nats_url: str, tmp_path: Path) -> dict[str, dict[Any, float]]
 
         await wait_until(lambda: asyncio.to_thread(processed), 20, "the effects count")  # type: ignore[arg-type,return-value]
         await wait_until(lambda: _up(port), 30, "the node's /readyz")
-        _, reply = await ControlClient(conn, settings=settings).request("ops", "n1", "echo", {"a": 1}, timeout=20)
+        _, reply = await ControlClient(conn, settings=settings).request(
+            "ops", "n1", "echo", {"a": 1}, timeout=20
+        )
         assert reply is not None and reply.ok
-        await asyncio.to_thread(store.run, lambda tx: enqueue(tx, "evt.default.ops.relay.sent", Envelope.new("relay.sent", {})))
+        await asyncio.to_thread(
+            store.run,
+            lambda tx: enqueue(tx, "evt.default.ops.relay.sent", Envelope.new("relay.sent", {})),
+        )
         relay.notify()
         await wait_until(lambda: relay.sent_total >= 1, 20, "the relay to publish")
         await relay.depth()
         # A job controller's series: a job past its deadline (it ends EXPIRED, nothing sent).
         jobs = await JobStore.open(conn.js)
         job = f"ops{uuid.uuid4().hex[:8]}"
-        await jobs.create(JobSpec(job, "echo", {}, targets=[("ops", "gone")], deadline="2020-01-01T00:00:00Z"))
+        await jobs.create(
+            JobSpec(job, "echo", {}, targets=[("ops", "gone")], deadline="2020-01-01T00:00:00Z")
+        )
         job_metrics = Metrics()
         assert await JobController(conn, jobs, job, metrics=job_metrics).run() == "completed"
         found: dict[str, dict[Any, float]] = {}
@@ -191,7 +216,11 @@ async def test_every_series_an_alert_or_panel_names_is_exported(exported: dict[s
     missing = sorted(n for n in named - PROMETHEUS_OWN if n not in found)
     assert not missing, f"named by alerts or panels but exported by nobody: {missing}"
     # ... and the table in OPERATIONS.md lists every series we export.
-    ours = {re.sub(r"_(total|bucket|count|sum|created)$", "", n) for n in found if n.startswith("meshforge_")}
+    ours = {
+        re.sub(r"_(total|bucket|count|sum|created)$", "", n)
+        for n in found
+        if n.startswith("meshforge_")
+    }
     table = OPERATIONS.read_text()
     assert not sorted(n for n in ours if f"`{n}" not in table), "OPERATIONS.md lacks some series"
 
@@ -200,13 +229,23 @@ async def test_node_metrics_count_commands_replies_and_epoch(exported: dict[str,
     node = exported["node"]
     labels = (("command", "echo"), ("node", "n1"), ("site", "ops"))
     assert node["meshforge_node_commands_total"][labels] == 1
-    assert node["meshforge_node_replies_total"][(("node", "n1"), ("site", "ops"), ("status", "ok"))] == 1
+    assert (
+        node["meshforge_node_replies_total"][(("node", "n1"), ("site", "ops"), ("status", "ok"))]
+        == 1
+    )
     assert node["meshforge_node_epoch"][(("node", "n1"), ("site", "ops"))] >= 1
     assert node["meshforge_ready"] == {(): 1.0} and node["meshforge_nats_connected"] == {(): 1.0}
-    assert (("consumer", "node_ops_n1"), ("stream", "MESHFORGE_CONTROL")) in node["meshforge_consumer_pending"]
+    assert (("consumer", "node_ops_n1"), ("stream", "MESHFORGE_CONTROL")) in node[
+        "meshforge_consumer_pending"
+    ]
     worker = exported["worker"]
     # Series exist at 0 before the first dead letter, so increase() sees the first one.
-    assert worker["meshforge_dead_lettered_total"][(("consumer", "order_consumer"), ("reason", "malformed"))] == 0
+    assert (
+        worker["meshforge_dead_lettered_total"][
+            (("consumer", "order_consumer"), ("reason", "malformed"))
+        ]
+        == 0
+    )
 
 
 async def test_probes_read_lag_and_ack_pending_from_the_server(conn: Any, sqlite_url: str) -> None:
@@ -217,18 +256,30 @@ async def test_probes_read_lag_and_ack_pending_from_the_server(conn: Any, sqlite
         await conn.js.publish("cmd.default.ops.lagprobe.do", f"{i}".encode())
     metrics = Metrics()
     store = await asyncio.to_thread(open_store, sqlite_url)
-    probes = Probes(conn.js, metrics, [(STREAM_COMMANDS, "lagprobe"), (STREAM_COMMANDS, "ghost")], store=store)
+    probes = Probes(
+        conn.js, metrics, [(STREAM_COMMANDS, "lagprobe"), (STREAM_COMMANDS, "ghost")], store=store
+    )
     try:
         await probes.sample()
         got = parse_metrics(metrics.render().decode())
         key = (("consumer", "lagprobe"), ("stream", STREAM_COMMANDS))
-        assert got["meshforge_consumer_pending"][key] == 5 and got["meshforge_consumer_ack_pending"][key] == 0
-        sub = await conn.js.pull_subscribe("cmd.default.ops.lagprobe.>", durable="lagprobe", stream=STREAM_COMMANDS)
+        assert (
+            got["meshforge_consumer_pending"][key] == 5
+            and got["meshforge_consumer_ack_pending"][key] == 0
+        )
+        sub = await conn.js.pull_subscribe(
+            "cmd.default.ops.lagprobe.>", durable="lagprobe", stream=STREAM_COMMANDS
+        )
         await sub.fetch(2, timeout=5)  # delivered, not acked
         await probes.sample()
         got = parse_metrics(metrics.render().decode())
-        assert got["meshforge_consumer_pending"][key] == 3 and got["meshforge_consumer_ack_pending"][key] == 2
-        assert got["meshforge_inbox_rows"] == {} and got["meshforge_effects_rows"] == {}  # empty store
+        assert (
+            got["meshforge_consumer_pending"][key] == 3
+            and got["meshforge_consumer_ack_pending"][key] == 2
+        )
+        assert (
+            got["meshforge_inbox_rows"] == {} and got["meshforge_effects_rows"] == {}
+        )  # empty store
     finally:
         await asyncio.to_thread(store.close)
         await conn.js.delete_consumer(STREAM_COMMANDS, "lagprobe")

@@ -93,12 +93,15 @@ async def _events_order(conn: Any, agent: Agent[Seq], r: str) -> list[int]:
     return out
 
 
-async def _head_then(conn: Any, agent: Agent[Seq], r: str, head: dict[str, Any], later: range) -> Envelope:
+async def _head_then(
+    conn: Any, agent: Agent[Seq], r: str, head: dict[str, Any], later: range
+) -> Envelope:
     """Send n=1 of ``r`` (with ``head``'s failure), wait for its first attempt, then send ``later``."""
     first = await _send(conn, agent, r, 1, **head)
     await polling.wait_until(
         lambda: agent.attempts.get(first.id, 0) >= 1,  # type: ignore[attr-defined]
-        timeout=10, what="the first attempt",
+        timeout=10,
+        what="the first attempt",
     )
     for n in later:
         await _send(conn, agent, r, n)
@@ -196,8 +199,12 @@ async def test_two_partitioned_workers_keep_the_order_after_a_failure(
     publisher = Publisher(conn.js, settings)
 
     async def send(r: str, n: int, **extra: Any) -> Envelope:
-        env = Envelope.new(f"{agent.name}.add", {"r": r, "n": n, **extra}, source="test", resource_id=r)
-        await publisher.publish(partitioned(f"cmd.default.test.{agent.name}.add", env, settings), env)
+        env = Envelope.new(
+            f"{agent.name}.add", {"r": r, "n": n, **extra}, source="test", resource_id=r
+        )
+        await publisher.publish(
+            partitioned(f"cmd.default.test.{agent.name}.add", env, settings), env
+        )
         return env
 
     async def idle() -> bool:
@@ -210,7 +217,8 @@ async def test_two_partitioned_workers_keep_the_order_after_a_failure(
             firsts = [await send(r, 1, fail=1) for r in ("a", "b", "c", "d")]
             await polling.wait_until(
                 lambda: all(agent.attempts.get(f.id, 0) >= 1 for f in firsts),  # type: ignore[attr-defined]
-                timeout=15, what="the first attempts",
+                timeout=15,
+                what="the first attempts",
             )
             for n in range(2, 6):
                 for r in ("a", "b", "c", "d"):
@@ -224,11 +232,15 @@ async def test_two_partitioned_workers_keep_the_order_after_a_failure(
         await conn.close()
 
 
-async def test_five_token_commands_join_their_resources_partition(nats_url: str, sqlite_url: str) -> None:
+async def test_five_token_commands_join_their_resources_partition(
+    nats_url: str, sqlite_url: str
+) -> None:
     """A publisher that does not partition: its commands used to travel on another durable
     and overtake the resource's partitioned head (2,3,1)."""
     agent = seq_agent()
-    settings = settings_for(nats_url, sqlite_url, backoff=(1.5, 1.5, 1.5), max_deliver=4, partitions=2)
+    settings = settings_for(
+        nats_url, sqlite_url, backoff=(1.5, 1.5, 1.5), max_deliver=4, partitions=2
+    )
     conn = await open_conn(settings)
     store = await open_store_async(sqlite_url)
     publisher = Publisher(conn.js, settings)
@@ -241,14 +253,19 @@ async def test_five_token_commands_join_their_resources_partition(nats_url: str,
 
     try:
         async with running([agent], settings, store=store):
-            head = Envelope.new(f"{agent.name}.add", {"r": "a", "n": 1, "fail": 1}, source="test", resource_id="a")
+            head = Envelope.new(
+                f"{agent.name}.add", {"r": "a", "n": 1, "fail": 1}, source="test", resource_id="a"
+            )
             await publisher.publish(partitioned(plain, head, settings), head)
             await polling.wait_until(
                 lambda: agent.attempts.get(head.id, 0) >= 1,  # type: ignore[attr-defined]
-                timeout=10, what="the first attempt",
+                timeout=10,
+                what="the first attempt",
             )
             for n in (2, 3):
-                env = Envelope.new(f"{agent.name}.add", {"r": "a", "n": n}, source="test", resource_id="a")
+                env = Envelope.new(
+                    f"{agent.name}.add", {"r": "a", "n": n}, source="test", resource_id="a"
+                )
                 await publisher.publish(plain, env)  # five tokens
             await polling.wait_until(idle, timeout=30, what="every durable idle")
             assert _applied(store, agent, "a") == [1, 2, 3]
@@ -269,14 +286,19 @@ async def test_an_agent_may_stay_held_until_an_operator_releases_the_resource(
     try:
         async with running([agent], settings, store=store, metrics=metrics):
             bad = await _send(conn, agent, "a", 1, bad=True)
-            await polling.wait_until(lambda: _has_letters(conn, agent, 1), timeout=15, what="the dead letter")
+            await polling.wait_until(
+                lambda: _has_letters(conn, agent, 1), timeout=15, what="the dead letter"
+            )
             for n in (2, 3):
                 await _send(conn, agent, "a", n)
             await _send(conn, agent, "b", 1)
-            await polling.wait_until(lambda: _applied_async(store, agent, "b", [1]), timeout=15, what="b applied")
+            await polling.wait_until(
+                lambda: _applied_async(store, agent, "b", [1]), timeout=15, what="b applied"
+            )
             consumer = f"{agent.name}_consumer"
             await polling.wait_until(
-                lambda: _value(metrics, "meshforge_held_back_total", consumer) >= 2, timeout=15,
+                lambda: _value(metrics, "meshforge_held_back_total", consumer) >= 2,
+                timeout=15,
                 what="a and its later commands held",
             )
             assert _applied(store, agent, "a") == []
@@ -288,7 +310,9 @@ async def test_an_agent_may_stay_held_until_an_operator_releases_the_resource(
             done = _cli("holds", "release", agent.name, "a", "--store", sqlite_url,
                         "--tenant", "default", "--namespace", "test")  # fmt: skip
             assert done.returncode == 0, done.stderr
-            await polling.wait_until(lambda: _applied_async(store, agent, "a", [2, 3]), timeout=20, what="a released")
+            await polling.wait_until(
+                lambda: _applied_async(store, agent, "a", [2, 3]), timeout=20, what="a released"
+            )
     finally:
         store.close()
         await conn.close()
@@ -319,10 +343,15 @@ async def test_a_head_dead_lettered_at_the_delivery_limit_stops_its_resource_too
             await _send(conn, agent, "a", n)
         await _send(conn, agent, "b", 1)
         async with running([agent], settings, store=store, metrics=metrics):
-            await polling.wait_until(lambda: _has_letters(conn, agent, 1), timeout=15, what="the dead letter")
-            await polling.wait_until(lambda: _applied_async(store, agent, "b", [1]), timeout=15, what="b applied")
             await polling.wait_until(
-                lambda: _value(metrics, "meshforge_held_back_total", consumer) >= 2, timeout=15,
+                lambda: _has_letters(conn, agent, 1), timeout=15, what="the dead letter"
+            )
+            await polling.wait_until(
+                lambda: _applied_async(store, agent, "b", [1]), timeout=15, what="b applied"
+            )
+            await polling.wait_until(
+                lambda: _value(metrics, "meshforge_held_back_total", consumer) >= 2,
+                timeout=15,
                 what="a's later commands held",
             )
             with store.transaction() as tx:
@@ -356,7 +385,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, env=env, timeout=60, check=False)  # fmt: skip
 
 
-async def _backlog_then_run(conn: Any, agent: Agent[Seq], settings: Any, sends: list[dict[str, Any]]) -> None:
+async def _backlog_then_run(
+    conn: Any, agent: Agent[Seq], settings: Any, sends: list[dict[str, Any]]
+) -> None:
     """Create the durable, then store ``sends`` before any worker runs: one fetch, one group."""
     async with running([agent], settings):
         pass
@@ -387,7 +418,9 @@ async def test_a_command_held_behind_a_failure_in_its_own_group_keeps_its_attemp
         await conn.close()
 
 
-async def test_a_stop_holds_later_commands_of_the_same_group(nats_url: str, sqlite_url: str) -> None:
+async def test_a_stop_holds_later_commands_of_the_same_group(
+    nats_url: str, sqlite_url: str
+) -> None:
     """``hold_after_dead_letter``: n=1 is dead-lettered inside the transaction that also
     holds n=2 and n=3 of its resource; they stay held behind it, as they would in a later
     fetch."""
@@ -400,8 +433,12 @@ async def test_a_stop_holds_later_commands_of_the_same_group(nats_url: str, sqli
             {"r": "a", "n": 1, "bad": True}, {"r": "a", "n": 2}, {"r": "a", "n": 3}, {"r": "b", "n": 1},
         ])  # fmt: skip
         async with running([agent], settings, store=store):
-            await polling.wait_until(lambda: _has_letters(conn, agent, 1), timeout=15, what="the dead letter")
-            await polling.wait_until(lambda: _applied_async(store, agent, "b", [1]), timeout=15, what="b applied")
+            await polling.wait_until(
+                lambda: _has_letters(conn, agent, 1), timeout=15, what="the dead letter"
+            )
+            await polling.wait_until(
+                lambda: _applied_async(store, agent, "b", [1]), timeout=15, what="b applied"
+            )
             with store.transaction() as tx:
                 views = list_holds(tx, f"{agent.name}_consumer")
             assert [(v.resource, v.stopped_by is not None) for v in views] == [("a", True)]

@@ -59,7 +59,9 @@ def commands(agent: str, n: int, pad: int = 0) -> list[tuple[str, Envelope]]:
 
 def redeliveries(worker: Worker, agent: str) -> float:
     """Deliveries of the agent's commands past their first, as the worker counted them."""
-    value = worker.metrics.registry.get_sample_value("meshforge_redeliveries_total", {"consumer": f"{agent}_consumer"})
+    value = worker.metrics.registry.get_sample_value(
+        "meshforge_redeliveries_total", {"consumer": f"{agent}_consumer"}
+    )
     return value or 0.0
 
 
@@ -100,7 +102,9 @@ async def test_disk_full_under_sqlite_pauses_and_resumes_without_dead_letters(
     agent = blob_agent()
     with small_disk(tmp_path / "disk") as disk:
         url = f"sqlite:///{disk}/store.db"
-        settings = settings_for(nats_url, url, ack_wait=ACK_WAIT, backoff=BACKOFF, max_deliver=MAX_DELIVER)
+        settings = settings_for(
+            nats_url, url, ack_wait=ACK_WAIT, backoff=BACKOFF, max_deliver=MAX_DELIVER
+        )
         conn = await open_conn(settings)
         store = await open_store_async(url)
         try:
@@ -116,7 +120,9 @@ async def test_disk_full_under_sqlite_pauses_and_resumes_without_dead_letters(
                 back = time.monotonic()
                 await all_applied_once(conn, agent.name, [e.id for _, e in first + rest])
                 resumed = time.monotonic() - back
-                assert redeliveries(worker, agent.name) == 0  # held, not handed back: no delivery counted
+                assert (
+                    redeliveries(worker, agent.name) == 0
+                )  # held, not handed back: no delivery counted
                 await wait_until(lambda: worker.is_ready(), within=10, what="/readyz true again")
         finally:
             store.close()
@@ -131,14 +137,18 @@ async def test_postgresql_stopped_pauses_and_resumes_without_dead_letters(
     pg = PrivatePostgres()
     await asyncio.to_thread(pg.init)
     agent = blob_agent()
-    settings = settings_for(nats_url, pg.url, ack_wait=ACK_WAIT, backoff=BACKOFF, max_deliver=MAX_DELIVER)
+    settings = settings_for(
+        nats_url, pg.url, ack_wait=ACK_WAIT, backoff=BACKOFF, max_deliver=MAX_DELIVER
+    )
     conn = await open_conn(settings)
     store = await open_store_async(pg.url)
     try:
         async with running([agent], settings, store=store) as worker:
             first = commands(agent.name, 200)
             await send_many(conn, first)
-            await wait_until(lambda: _applied(conn, agent.name, 20), within=20, what="the first commands applied")
+            await wait_until(
+                lambda: _applied(conn, agent.name, 20), within=20, what="the first commands applied"
+            )
             await asyncio.to_thread(pg.stop, "immediate")  # under load, as a crash would
             rest = commands(agent.name, 100)
             await send_many(conn, rest)
@@ -147,7 +157,9 @@ async def test_postgresql_stopped_pauses_and_resumes_without_dead_letters(
             back = time.monotonic()
             await all_applied_once(conn, agent.name, [e.id for _, e in first + rest])
             resumed = time.monotonic() - back
-            assert redeliveries(worker, agent.name) == 0  # held, not handed back: no delivery counted
+            assert (
+                redeliveries(worker, agent.name) == 0
+            )  # held, not handed back: no delivery counted
             await wait_until(lambda: worker.is_ready(), within=10, what="/readyz true again")
     finally:
         store.close()
@@ -164,7 +176,9 @@ async def test_read_only_store_pauses_and_resumes_without_dead_letters(
     pg = PrivatePostgres()
     await asyncio.to_thread(pg.init)
     agent = blob_agent()
-    settings = settings_for(nats_url, pg.url, ack_wait=ACK_WAIT, backoff=BACKOFF, max_deliver=MAX_DELIVER)
+    settings = settings_for(
+        nats_url, pg.url, ack_wait=ACK_WAIT, backoff=BACKOFF, max_deliver=MAX_DELIVER
+    )
     conn = await open_conn(settings)
     store = await open_store_async(pg.url)
     try:
@@ -180,7 +194,9 @@ async def test_read_only_store_pauses_and_resumes_without_dead_letters(
             back = time.monotonic()
             await all_applied_once(conn, agent.name, [e.id for _, e in first + rest])
             resumed = time.monotonic() - back
-            assert redeliveries(worker, agent.name) == 0  # held, not handed back: no delivery counted
+            assert (
+                redeliveries(worker, agent.name) == 0
+            )  # held, not handed back: no delivery counted
     finally:
         store.close()
         await conn.close()
@@ -201,13 +217,17 @@ async def test_nats_server_killed_pauses_and_resumes_without_dead_letters(
         async with running([agent], settings) as worker:
             first = commands(agent.name, 400)
             await send_many(conn, first)
-            await wait_until(lambda: _applied(conn, agent.name, 50), within=20, what="the first commands applied")
+            await wait_until(
+                lambda: _applied(conn, agent.name, 50), within=20, what="the first commands applied"
+            )
             await asyncio.to_thread(private_server.kill)
             wrong = await hold_open(worker, outlasts(settings))
             await asyncio.to_thread(private_server.start)
             back = time.monotonic()
             rest = commands(agent.name, 50)
-            await wait_until(lambda: conn.current_state() == "connected", within=20, what="the test reconnected")
+            await wait_until(
+                lambda: conn.current_state() == "connected", within=20, what="the test reconnected"
+            )
             await send_many(conn, rest)
             await all_applied_once(conn, agent.name, [e.id for _, e in first + rest])
             resumed = time.monotonic() - back
@@ -220,7 +240,11 @@ async def test_nats_server_killed_pauses_and_resumes_without_dead_letters(
     opened = switch_lines(caplog.records)
     assert opened[:2] == ["kill switch open", "kill switch closed"] and len(opened) <= 4, opened
     lines = outage_lines(caplog.records)
-    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) <= 10 and lines.get("ERROR", 0) <= 4, lines
+    assert (
+        lines.get("CRITICAL", 0) == 0
+        and lines.get("WARNING", 0) <= 10
+        and lines.get("ERROR", 0) <= 4
+    ), lines
 
 
 async def test_publishing_refused_for_every_output_pauses_and_resumes_without_dead_letters(
@@ -247,7 +271,9 @@ async def test_publishing_refused_for_every_output_pauses_and_resumes_without_de
             back = time.monotonic()
             await all_applied_once(conn, agent.name, [e.id for _, e in first + rest])
             resumed = time.monotonic() - back
-            assert redeliveries(worker, agent.name) == 0  # held, not handed back: no delivery counted
+            assert (
+                redeliveries(worker, agent.name) == 0
+            )  # held, not handed back: no delivery counted
     finally:
         await conn.close()
     assert_quiet_pause(wrong, resumed, caplog.records)
@@ -261,4 +287,6 @@ def assert_quiet_pause(wrong: list[Any], resumed: float, records: list[logging.L
     assert resumed < 15, f"resumed {resumed:.1f}s after the outage ended"
     assert switch_lines(records) == ["kill switch open", "kill switch closed"]
     lines = outage_lines(records)
-    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) == 0 and lines["ERROR"] == 2, lines
+    assert lines.get("CRITICAL", 0) == 0 and lines.get("WARNING", 0) == 0 and lines["ERROR"] == 2, (
+        lines
+    )

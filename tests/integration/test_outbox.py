@@ -64,7 +64,9 @@ async def until(check: Callable[[], bool | Awaitable[bool]], within: float = 20.
         await asyncio.sleep(0.02)  # polling with a deadline
 
 
-async def relay_until(relay: OutboxRelay, check: Callable[[], bool | Awaitable[bool]], within: float = 30.0) -> None:
+async def relay_until(
+    relay: OutboxRelay, check: Callable[[], bool | Awaitable[bool]], within: float = 30.0
+) -> None:
     """Run ``relay`` until ``check`` holds (polled, with a deadline), stop it, and check it
     ended without an error."""
     task = asyncio.create_task(relay.run())
@@ -332,7 +334,9 @@ async def test_enqueue_many_rows_go_out_in_order_at_one_commit_a_batch(
             ids = enqueue_many(tx, [(subject, env) for env in batch[start : start + 100]])
             assert ids == sorted(ids) and len(ids) == 100
     counting = CountingStore(store)
-    relay = OutboxRelay(counting, Publisher(streams, settings(), Metrics()), batch_size=200, idle=0.05)  # type: ignore[arg-type]
+    relay = OutboxRelay(
+        counting, Publisher(streams, settings(), Metrics()), batch_size=200, idle=0.05
+    )  # type: ignore[arg-type]
     await relay_until(relay, lambda: relay.sent_total == len(batch))
     assert await read_ids(streams, subject) == [e.id for e in batch]
     assert await relay.depth() == 0

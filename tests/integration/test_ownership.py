@@ -44,7 +44,9 @@ class Slots:
 
 
 @asynccontextmanager
-async def owned(js: JetStreamContext, s: Settings, slots: Slots) -> AsyncIterator[tuple[Ownership, dict[str, ConsumerSpec]]]:
+async def owned(
+    js: JetStreamContext, s: Settings, slots: Slots
+) -> AsyncIterator[tuple[Ownership, dict[str, ConsumerSpec]]]:
     specs = partition_consumers(unique_agent(), s)
     await provision_all(js, s, *specs.values())
     kv = await ensure_bucket(js, s)
@@ -56,7 +58,9 @@ async def owned(js: JetStreamContext, s: Settings, slots: Slots) -> AsyncIterato
         await ownership.close()
 
 
-async def held_by_previous_owner(nc: NATS, js: JetStreamContext, spec: ConsumerSpec, count: int) -> PullSource:
+async def held_by_previous_owner(
+    nc: NATS, js: JetStreamContext, spec: ConsumerSpec, count: int
+) -> PullSource:
     """A previous owner, pinned, holding ``count`` commands unacknowledged."""
     agent = spec.durable.split("_consumer")[0]
     for seq in range(count):
@@ -113,7 +117,9 @@ async def test_a_worker_that_cannot_read_waits_for_redeliveries_and_takes_them_b
             await previous.close()
 
 
-async def test_refused_fences_the_consumer_and_gives_the_lease_up_unless_taken_again(js: JetStreamContext) -> None:
+async def test_refused_fences_the_consumer_and_gives_the_lease_up_unless_taken_again(
+    js: JetStreamContext,
+) -> None:
     s = settings(partitions=1)
     slots = Slots()
     async with owned(js, s, slots) as (ownership, _):

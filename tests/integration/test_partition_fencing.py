@@ -64,7 +64,9 @@ async def release(part: _Partitions, engine: Engine[Any], store: Store) -> None:
 
 
 async def publish(js: JetStreamContext, subject: str, seq: int) -> None:
-    env = Envelope.new("seq.step", {"seq": seq}, resource_id="r", source="test", tenant_id=subject.split(".")[1])
+    env = Envelope.new(
+        "seq.step", {"seq": seq}, resource_id="r", source="test", tenant_id=subject.split(".")[1]
+    )
     await js.publish(subject, env.encode(), headers=env.headers())
 
 
@@ -76,12 +78,17 @@ async def test_provisioning_gives_partition_durables_the_owner_group_and_adds_it
     specs = partition_consumers(agent, s)
     await provision_all(js, s)
     # p0 as a MeshForge without the fence made it: no priority group.
-    await js.add_consumer(STREAM_COMMANDS, replace(specs["p0"], priority_group="", pinned_ttl=0).config())
+    await js.add_consumer(
+        STREAM_COMMANDS, replace(specs["p0"], priority_group="", pinned_ttl=0).config()
+    )
     assert "priority_groups" not in await raw_config(nc, specs["p0"].durable)
 
     first = await ensure(js, [], list(specs.values()))
     actions = {step.spec.durable: (str(step.action), step.details) for step in first.steps}
-    assert actions[specs["p0"].durable] == ("update", "priority_group none -> owner pinned_client 1m")
+    assert actions[specs["p0"].durable] == (
+        "update",
+        "priority_group none -> owner pinned_client 1m",
+    )
     assert actions[specs["p1"].durable][0] == "create"
     for spec in specs.values():
         config = await raw_config(nc, spec.durable)
@@ -117,7 +124,9 @@ async def test_a_pull_with_a_revoked_pin_is_refused_and_the_consumer_stops(
         consumer = Consumer(conn, spec, handler=handle, settings=s, provision=False)
         async with running(consumer) as task:
             await publish(js, subject, 0)
-            await wait_until(lambda: handled == [0] and consumer.pinned, timeout=10, what="first command, pinned")
+            await wait_until(
+                lambda: handled == [0] and consumer.pinned, timeout=10, what="first command, pinned"
+            )
             pin = await pinned_client(conn.js, spec.stream, spec.durable, OWNER_GROUP)
             assert pin is not None
 
@@ -144,7 +153,9 @@ async def test_a_pull_with_a_revoked_pin_is_refused_and_the_consumer_stops(
                 assert (refused.outcome, refused.status) == ("error", FENCED)
             finally:
                 await successor.close()
-    lines = [r.getMessage() for r in caplog.records if "another worker owns it now" in r.getMessage()]
+    lines = [
+        r.getMessage() for r in caplog.records if "another worker owns it now" in r.getMessage()
+    ]
     assert len(lines) == 1 and spec.durable in lines[0], lines
 
 
@@ -168,9 +179,13 @@ async def test_claiming_a_partition_unpins_the_previous_owner_before_the_first_p
 
         store, engine, part, ownership = await owner(conn, specs, s, tmp_path)
         try:
-            ownership.take("p0", clean=True)  # handed back cleanly: no redelivery wait, only the unpin
+            ownership.take(
+                "p0", clean=True
+            )  # handed back cleanly: no redelivery wait, only the unpin
             consumer = part.consumers["p0"]
-            await wait_until(lambda: consumer.ready.is_set(), timeout=10, what="the new owner pulling")
+            await wait_until(
+                lambda: consumer.ready.is_set(), timeout=10, what="the new owner pulling"
+            )
             # The previous owner pulls again with its pin, as the next command is stored:
             # the new owner gets the command, and the previous one nothing (told so now,
             # or when its pull expires).
@@ -203,7 +218,9 @@ async def test_a_partition_durable_without_the_group_is_a_clear_error_at_claim(
     s = settings(partitions=1)
     tenant = unique_agent()
     specs = partition_consumers("seq", s, tenant=tenant, namespace="t")
-    await provision_all(js, s, *(replace(spec, priority_group="", pinned_ttl=0) for spec in specs.values()))
+    await provision_all(
+        js, s, *(replace(spec, priority_group="", pinned_ttl=0) for spec in specs.values())
+    )
     async with connection(nats_url) as conn:
         store, engine, part, ownership = await owner(conn, specs, s, tmp_path)
         try:
@@ -243,12 +260,17 @@ async def test_an_idle_owner_unpins_a_client_that_got_the_pin_after_its_claim(
             # until the owner's idle pull ends and it sees a pin that is not its own.
             deadline = asyncio.get_running_loop().time() + 20
             refused = await asyncio.wait_for(rogue.fetch(1), 20)
-            while refused.outcome in ("messages", "empty") and asyncio.get_running_loop().time() < deadline:
+            while (
+                refused.outcome in ("messages", "empty")
+                and asyncio.get_running_loop().time() < deadline
+            ):
                 refused = await asyncio.wait_for(rogue.fetch(1), 20)
             assert (refused.outcome, refused.status) == ("error", FENCED)
             # What the rogue held comes back to the owner, which applies it.
             await wait_until(lambda: consumer.pinned, timeout=20, what="the owner pinned")
-            await wait_until(lambda: all_acked(js, specs["p0"].durable), timeout=20, what="everything applied")
+            await wait_until(
+                lambda: all_acked(js, specs["p0"].durable), timeout=20, what="everything applied"
+            )
             assert not part.failed.done()
         finally:
             await rogue.close()
@@ -262,7 +284,11 @@ async def all_acked(js: JetStreamContext, durable: str) -> bool:
 
 @pytest.mark.parametrize("reads", [True, False], ids=["holds", "take-back"])
 async def test_a_client_pinned_after_the_claim_that_beats_in_progress_on_its_first_command_keeps_the_order(
-    nats_url: str, js: JetStreamContext, tmp_path: Path, caplog: pytest.LogCaptureFixture, reads: bool
+    nats_url: str,
+    js: JetStreamContext,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    reads: bool,
 ) -> None:
     """A client pinned after the owner's claim holds two commands of one resource and sends
     ``in_progress`` for the first, so the second comes due first. The idle owner finds it
@@ -307,13 +333,23 @@ async def test_a_client_pinned_after_the_claim_that_beats_in_progress_on_its_fir
         )  # fmt: skip
         try:
             async with running(consumer):
-                await wait_until(lambda: applied(js, tenant, 2), timeout=30, what="both commands applied")
+                await wait_until(
+                    lambda: applied(js, tenant, 2), timeout=30, what="both commands applied"
+                )
             events = await stepped_events(js, tenant)
             assert [(e.payload["seq"], e.payload["after"]) for e in events] == [(0, -1), (1, 0)]
             lines = [r.getMessage() for r in caplog.records]
-            assert any("another client is pinned while this worker owns it" in line for line in lines)
+            assert any(
+                "another client is pinned while this worker owns it" in line for line in lines
+            )
             took = [line for line in lines if "took back" in line]
-            assert took == ([] if reads else [f"consumer {specs['p0'].durable}: took back 2 of 2 held by the previous owner"])
+            assert took == (
+                []
+                if reads
+                else [
+                    f"consumer {specs['p0'].durable}: took back 2 of 2 held by the previous owner"
+                ]
+            )
         finally:
             beating.cancel()
             await rogue.close()

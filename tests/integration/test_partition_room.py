@@ -29,7 +29,9 @@ from meshforge.topology.partitions import partitioned
 COMMANDS, RESOURCES, PARTITIONS = 1_600, 160, 8
 
 
-async def test_a_lanes_partitions_share_its_room_for_held_commands(nats_url: str, sqlite_url: str) -> None:
+async def test_a_lanes_partitions_share_its_room_for_held_commands(
+    nats_url: str, sqlite_url: str
+) -> None:
     agent = ledger_agent()
     # batch_size 16: a lane's transaction takes 64 commands, and holds 192 at most.
     settings = settings_for(nats_url, sqlite_url, partitions=PARTITIONS, batch_size=16)
@@ -42,7 +44,9 @@ async def test_a_lanes_partitions_share_its_room_for_held_commands(nats_url: str
         for i in range(COMMANDS)
     ]  # fmt: skip
     # The backlog is stored before the worker starts: every partition has a full fetch waiting.
-    await Publisher(conn.js, settings).publish_many([Outbound.of(partitioned(subject, e, settings), e) for e in envs])
+    await Publisher(conn.js, settings).publish_many(
+        [Outbound.of(partitioned(subject, e, settings), e) for e in envs]
+    )
     metrics = Metrics()
     peak = 0
 

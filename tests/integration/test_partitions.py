@@ -41,7 +41,9 @@ async def test_partition_matches_the_servers_partition_mapping(js: JetStreamCont
     """A publisher may let nats-server partition by a token: it must agree with ours."""
     name = f"PART{uuid.uuid4().hex[:6]}"
     subject = f"{name.lower()}.*"
-    mapping = SubjectTransform(src=subject, dest=name.lower() + ".{{partition(7,1)}}.{{wildcard(1)}}")
+    mapping = SubjectTransform(
+        src=subject, dest=name.lower() + ".{{partition(7,1)}}.{{wildcard(1)}}"
+    )
     await js.add_stream(StreamConfig(name=name, subjects=[subject], subject_transform=mapping))
     try:
         keys = [f"order-{i}" for i in range(50)] + ["A-1", "sku_9", "x"]
@@ -105,7 +107,11 @@ class Slots:
 
 @contextlib.asynccontextmanager
 async def holders(
-    js: JetStreamContext, kv: KeyValue, group: str, count: int, name: str = "w",
+    js: JetStreamContext,
+    kv: KeyValue,
+    group: str,
+    count: int,
+    name: str = "w",
     spare: tuple[str, ...] = (),
 ) -> AsyncIterator[list[tuple[Leases, Slots, asyncio.Task[None]]]]:
     made = []
@@ -121,7 +127,9 @@ async def holders(
             task.cancel()
 
 
-async def test_leases_share_out_slots_and_a_dead_holders_expire_to_the_others(js: JetStreamContext) -> None:
+async def test_leases_share_out_slots_and_a_dead_holders_expire_to_the_others(
+    js: JetStreamContext,
+) -> None:
     settings = load_settings({"partition_lease": 0.6}, env={})
     kv = await ensure_bucket(js, settings)
     group = f"g{uuid.uuid4().hex[:8]}"
@@ -130,7 +138,11 @@ async def test_leases_share_out_slots_and_a_dead_holders_expire_to_the_others(js
 
         def split() -> bool:
             owned = set(a.owned) | set(b.owned)
-            return owned == set(SLOTS) and not set(a.owned) & set(b.owned) and {len(a.owned), len(b.owned)} == {2, 3}
+            return (
+                owned == set(SLOTS)
+                and not set(a.owned) & set(b.owned)
+                and {len(a.owned), len(b.owned)} == {2, 3}
+            )
 
         await wait_until(split, timeout=10, what="two holders with 3 and 2 slots")
         assert set(a_slots.running) == set(a.owned) and set(b_slots.running) == set(b.owned)
@@ -138,7 +150,9 @@ async def test_leases_share_out_slots_and_a_dead_holders_expire_to_the_others(js
         a_task.cancel()
         loop = asyncio.get_running_loop()
         died = loop.time()
-        await wait_until(lambda: set(b.owned) == set(SLOTS), timeout=10, what="survivor owns every slot")
+        await wait_until(
+            lambda: set(b.owned) == set(SLOTS), timeout=10, what="survivor owns every slot"
+        )
         assert loop.time() - died < 0.6 + 2 * 0.2 + 1.0  # within the lease (and a round or two)
         taken = set(SLOTS) - set(a.owned)
         assert all(b_slots.running[s] is False for s in set(a.owned)), "taken over, not handed back"
@@ -172,12 +186,13 @@ async def test_the_spare_slot_does_not_count_in_the_fair_share(js: JetStreamCont
             counted = [len(set(h.owned) - {"u"}) for h in (a, b)]
             return counted == [2, 2] and ("u" in a.owned) != ("u" in b.owned)
 
-        await wait_until(split, timeout=10, what="2 partitions each, the spare slot with one of them")
+        await wait_until(
+            split, timeout=10, what="2 partitions each, the spare slot with one of them"
+        )
         assert not set(a.owned) & set(b.owned)
 
 
 # ------------------------------------------------------------------ worker processes
-
 
 
 def stop_worker(proc: subprocess.Popen[bytes]) -> None:
@@ -202,7 +217,16 @@ def start_worker(url: str, store: str, log: Path, **extra: str) -> subprocess.Po
         MESHFORGE_MAX_DELIVER="20", MESHFORGE_BATCH_SIZE="16", MESHFORGE_LOG_LEVEL="INFO",
     )  # fmt: skip
     env.update(extra)
-    args = ["run", "partition_agents:SequenceAgent", "--partitions", "4", "--store", store, "--nats-url", url]
+    args = [
+        "run",
+        "partition_agents:SequenceAgent",
+        "--partitions",
+        "4",
+        "--store",
+        store,
+        "--nats-url",
+        url,
+    ]
     with log.open("ab") as out:
         return subprocess.Popen([sys.executable, "-m", "meshforge", *args], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -226,13 +250,20 @@ def commands(resources: int, seqs: range, settings: Settings, pause: float = 0.0
     out = []
     for seq in seqs:
         for r in range(resources):
-            env = Envelope.new("seq.step", {"seq": seq, "pause": pause}, resource_id=f"r{r}", source="test")
+            env = Envelope.new(
+                "seq.step", {"seq": seq, "pause": pause}, resource_id=f"r{r}", source="test"
+            )
             out.append(Outbound.of(partitioned("cmd.default.test.seq.step", env, settings), env))
     return out
 
 
 def check_order(
-    events: list[Envelope], resources: int, upto: int, extra: dict[str, int], *, ordered: bool = True
+    events: list[Envelope],
+    resources: int,
+    upto: int,
+    extra: dict[str, int],
+    *,
+    ordered: bool = True,
 ) -> None:
     """Each resource's commands applied once each, in the order they were stored (``ordered``)."""
     by_resource: dict[str, list[tuple[int, int]]] = defaultdict(list)
@@ -243,13 +274,17 @@ def check_order(
     expected = {f"r{r}": upto for r in range(resources)} | extra
     assert {r: len(v) for r, v in by_resource.items()} == expected
     for resource, steps in by_resource.items():
-        assert sorted(s for s, _ in steps) == list(range(len(steps))), f"{resource} not once each: {steps}"
+        assert sorted(s for s, _ in steps) == list(range(len(steps))), (
+            f"{resource} not once each: {steps}"
+        )
         if not ordered:
             continue
         wrong = next((i for i, (s, a) in enumerate(steps) if (s, a) != (i, i - 1)), None)
         if wrong is not None:
             near = [(s, a, applier[(resource, s)]) for s, a in steps[max(0, wrong - 3) : wrong + 4]]
-            raise AssertionError(f"{resource} applied out of order: {near} (seq, after, worker pid)")
+            raise AssertionError(
+                f"{resource} applied out of order: {near} (seq, after, worker pid)"
+            )
 
 
 async def test_two_workers_split_partitions_keep_order_and_survive_a_kill(
@@ -261,7 +296,9 @@ async def test_two_workers_split_partitions_keep_order_and_survive_a_kill(
     publisher = Publisher(conn.js, settings)
     workers = [start_worker(private_server.url, own_pg, tmp_path / f"w{i}.log") for i in range(2)]
     try:
-        await wait_until(lambda: ensure_bucket_exists(conn.js), timeout=30, what="the ownership bucket")
+        await wait_until(
+            lambda: ensure_bucket_exists(conn.js), timeout=30, what="the ownership bucket"
+        )
         kv = await conn.js.key_value(BUCKET)
 
         async def both_own() -> bool:
@@ -297,7 +334,11 @@ async def test_two_workers_split_partitions_keep_order_and_survive_a_kill(
 
         async def survivor_owns_all() -> bool:
             found = await owners(kv)
-            return len(found) == 5 and len(set(found.values())) == 1 and str(survivor.pid) in next(iter(found.values()))
+            return (
+                len(found) == 5
+                and len(set(found.values())) == 1
+                and str(survivor.pid) in next(iter(found.values()))
+            )
 
         await wait_until(survivor_owns_all, timeout=30, what="the survivor owning every partition")
         assert loop.time() - killed < 1.5 + 4.5, "taken over within the lease and a few rounds"
@@ -327,7 +368,9 @@ async def test_a_stalled_owner_cannot_apply_commands_out_of_order(
     await ensure(conn.js, default_streams(settings))
     publisher = Publisher(conn.js, settings)
     fast = {"MESHFORGE_ACK_WAIT": "1s", "MESHFORGE_BATCH_SIZE": "4"}
-    workers = [start_worker(private_server.url, own_pg, tmp_path / f"w{i}.log", **fast) for i in range(2)]
+    workers = [
+        start_worker(private_server.url, own_pg, tmp_path / f"w{i}.log", **fast) for i in range(2)
+    ]
     logs = {w.pid: tmp_path / f"w{i}.log" for i, w in enumerate(workers)}
     resources, published = 6, 0
     done = asyncio.Event()
@@ -335,7 +378,9 @@ async def test_a_stalled_owner_cannot_apply_commands_out_of_order(
     async def publish() -> None:
         nonlocal published
         while not done.is_set():
-            await publisher.publish_many(commands(resources, range(published, published + 1), settings))
+            await publisher.publish_many(
+                commands(resources, range(published, published + 1), settings)
+            )
             published += 1
             await asyncio.sleep(0.02)  # pacing: a steady stream of commands, not a wait
 
@@ -352,7 +397,9 @@ async def test_a_stalled_owner_cannot_apply_commands_out_of_order(
 
     feeding: asyncio.Task[None] | None = None
     try:
-        await wait_until(lambda: ensure_bucket_exists(conn.js), timeout=30, what="the ownership bucket")
+        await wait_until(
+            lambda: ensure_bucket_exists(conn.js), timeout=30, what="the ownership bucket"
+        )
         kv = await conn.js.key_value(BUCKET)
         feeding = asyncio.create_task(publish())
         for cycle in range(3):
@@ -362,7 +409,9 @@ async def test_a_stalled_owner_cannot_apply_commands_out_of_order(
                 held = await holdings()
                 return all(held.values()) and sum(len(s) for s in held.values()) == len(SLOTS)
 
-            await wait_until(shared, timeout=30, what=f"cycle {cycle}: both workers owning partitions")
+            await wait_until(
+                shared, timeout=30, what=f"cycle {cycle}: both workers owning partitions"
+            )
             taken = sorted(s for s in (await holdings())[victim.pid] if s != "u")
             started = {w.pid: pulls(logs[w.pid]) for w in workers}
             os.kill(victim.pid, signal.SIGSTOP)
@@ -378,7 +427,9 @@ async def test_a_stalled_owner_cannot_apply_commands_out_of_order(
         done.set()
         await feeding
         total = published * resources
-        await wait_until(lambda: at_least(applied, total), timeout=60, what=f"{total} commands applied")
+        await wait_until(
+            lambda: at_least(applied, total), timeout=60, what=f"{total} commands applied"
+        )
         check_order(await stepped(conn), resources, published, {})
         assert all(w.poll() is None for w in workers)
     finally:
@@ -426,7 +477,10 @@ async def test_publish_adds_the_partition_token(nats_url: str, js: JetStreamCont
     body = '{"type": "pubpart.create", "payload": {}, "resource_id": "order-7"}'
     env = {"MESHFORGE_PARTITIONS": "4", "MESHFORGE_NATS_URL": None, "MESHFORGE_CONFIG": None}
     result = await asyncio.to_thread(
-        CliRunner().invoke, app, ["publish", "cmd.default.demo.pubpart.create", body, "--nats-url", nats_url], env=env
+        CliRunner().invoke,
+        app,
+        ["publish", "cmd.default.demo.pubpart.create", body, "--nats-url", nats_url],
+        env=env,
     )
     assert result.exit_code == 0, result.output
     assert result.output.strip().endswith("subject=cmd.default.demo.pubpart.create.3")

@@ -61,7 +61,9 @@ def serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     def start(block: str) -> EmbeddedServer:
         conf = tmp_path / f"auth{len(servers)}.conf"
         conf.write_text(block)
-        server = EmbeddedServer(store_dir=tmp_path / f"nats{len(servers)}", extra_args=["-c", str(conf)])
+        server = EmbeddedServer(
+            store_dir=tmp_path / f"nats{len(servers)}", extra_args=["-c", str(conf)]
+        )
         servers.append(server.start())
         return server
 
@@ -75,7 +77,9 @@ def violations(server: EmbeddedServer) -> list[str]:
 
 
 async def as_role(server: EmbeddedServer, role: str) -> Connection:
-    s = load_settings({"user": f"meshforge-{role}", "password": password(role), "connect_attempts": 1}, env={})
+    s = load_settings(
+        {"user": f"meshforge-{role}", "password": password(role), "connect_attempts": 1}, env={}
+    )
     return await connect(s, url=server.url)
 
 
@@ -103,7 +107,17 @@ async def last(admin: Connection, stream: str, subject: str) -> Envelope | None:
 @pytest.fixture
 async def provisioned(serve: object) -> AsyncIterator[tuple[EmbeddedServer, Connection]]:
     server: EmbeddedServer = serve(printed(*ROLES))  # type: ignore[operator]
-    done = run_cli("provision", "--agent", "order", "--site", "lab1", "--node", "n1", role="admin", url=server.url)
+    done = run_cli(
+        "provision",
+        "--agent",
+        "order",
+        "--site",
+        "lab1",
+        "--node",
+        "n1",
+        role="admin",
+        url=server.url,
+    )
     assert done.returncode == 0, done.stderr
     admin = await as_role(server, "admin")
     await nodes_bucket(admin.js, create=True)  # presence: created at deploy time, like the streams
@@ -141,7 +155,9 @@ async def test_every_role_runs_under_exactly_what_it_prints(
         command = json.dumps({"type": "echo", "payload": {"say": "hi"}})
         sent = run_cli("publish", "control.cmd.lab1.n1", command, role="publisher", url=server.url)
         assert sent.returncode == 0, sent.stderr
-        await wait_until(lambda: last(admin, STREAM_REPLIES, "control.reply.lab1.n1"), 30, "the node's reply")
+        await wait_until(
+            lambda: last(admin, STREAM_REPLIES, "control.reply.lab1.n1"), 30, "the node's reply"
+        )
         reply = await last(admin, STREAM_REPLIES, "control.reply.lab1.n1")
         assert reply is not None and reply.payload["status"] == "ok", reply
         assert reply.payload["result"] == {"say": "hi"}
@@ -178,7 +194,11 @@ def _spark_read_and_write(url: str) -> list[str]:
     options = {"servers": url, "user": "meshforge-spark", "password": password("spark")}
     with SyncNats(ConnOptions.from_options(options)) as client:
         info = client.stream_info(STREAM_EVENTS)
-        subjects = [s for chunk in read_range(client, STREAM_EVENTS, 1, info.last_seq) for s in chunk.subjects]
+        subjects = [
+            s
+            for chunk in read_range(client, STREAM_EVENTS, 1, info.last_seq)
+            for s in chunk.subjects
+        ]
         ack = client.run(client.js.publish("evt.default.pipeline.audited", b"{}"))
         assert ack.stream == STREAM_EVENTS
     return subjects
@@ -207,17 +227,31 @@ async def test_a_missing_permission_is_one_line(role: str, serve: object, tmp_pa
     subject, args = CASES[role]
     block = without(printed(*ROLES), role, subject)
     if role == "admin":  # an empty allow list would allow everything: keep one harmless entry
-        block = block.replace('allow: [\n          ]', 'allow: [\n            "$JS.API.INFO"\n          ]', 1)
+        block = block.replace(
+            "allow: [\n          ]", 'allow: [\n            "$JS.API.INFO"\n          ]', 1
+        )
     server: EmbeddedServer = serve(block)  # type: ignore[operator]
     if role != "admin":
-        done = run_cli("provision", "--agent", "order", "--site", "lab1", "--node", "n1", role="admin", url=server.url)
+        done = run_cli(
+            "provision",
+            "--agent",
+            "order",
+            "--site",
+            "lab1",
+            "--node",
+            "n1",
+            role="admin",
+            url=server.url,
+        )
         assert done.returncode == 0, done.stderr
     store = ["--store", f"sqlite:///{tmp_path / 's.db'}"] if role in ("agent", "node") else []
     done = run_cli(*args, *store, role=role, url=server.url)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     # Log lines may come before it; the command's answer is its last line, and only one.
     error = done.stderr.strip().splitlines()[-1]
-    assert error.startswith("error: ") and "permissions violation for publish to" in error, done.stderr
+    assert error.startswith("error: ") and "permissions violation for publish to" in error, (
+        done.stderr
+    )
     assert [line for line in done.stderr.splitlines() if line.startswith("error")] == [error]
     if role != "admin":
         assert f'"{subject.lower().rstrip(">").rstrip(".")}' in error
@@ -233,7 +267,9 @@ def test_spark_without_stream_info_is_one_line(serve: object) -> None:
     assert "permissions violation" in message.lower() and "meshforge permissions spark" in message
 
 
-async def test_healthz_without_js_api_info_is_a_permission_violation(serve: object, tmp_path: Path) -> None:
+async def test_healthz_without_js_api_info_is_a_permission_violation(
+    serve: object, tmp_path: Path
+) -> None:
     """Why the agent role has $JS.API.INFO: without it, every /healthz is a violation."""
     server: EmbeddedServer = serve(without(printed(*ROLES), "agent", "$JS.API.INFO"))  # type: ignore[operator]
     done = run_cli("provision", "--agent", "order", role="admin", url=server.url)
@@ -248,7 +284,9 @@ async def test_healthz_without_js_api_info_is_a_permission_violation(serve: obje
         await wait_until(lambda: _ready(port), 30, "the worker's /readyz")
         _, body = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}/healthz")
         assert "error" in json.loads(body)["jetstream"]
-        await wait_until(lambda: any("$JS.API.INFO" in v for v in violations(server)), 10, "the violation")
+        await wait_until(
+            lambda: any("$JS.API.INFO" in v for v in violations(server)), 10, "the violation"
+        )
     finally:
         assert worker.stop() == 0, worker.output()
 
@@ -264,7 +302,9 @@ async def test_a_partitioned_agent_runs_under_exactly_what_it_prints(
     claims one, and keeps its leases in the ownership bucket; nothing more."""
     monkeypatch.setenv("MESHFORGE_PARTITIONS", "2")
     server: EmbeddedServer = serve(printed("admin", "agent", "publisher"))  # type: ignore[operator]
-    done = run_cli("provision", "--agent", "order", "--partitions", "2", role="admin", url=server.url)
+    done = run_cli(
+        "provision", "--agent", "order", "--partitions", "2", role="admin", url=server.url
+    )
     assert done.returncode == 0, done.stderr
     admin = await as_role(server, "admin")
     worker = Child(
@@ -278,7 +318,9 @@ async def test_a_partitioned_agent_runs_under_exactly_what_it_prints(
             assert sent.returncode == 0, sent.stderr
 
         async def created() -> bool:
-            info = await admin.js.stream_info(STREAM_EVENTS, subjects_filter="evt.default.demo.order.created")
+            info = await admin.js.stream_info(
+                STREAM_EVENTS, subjects_filter="evt.default.demo.order.created"
+            )
             return bool(info.state.subjects) and sum((info.state.subjects or {}).values()) == 3
 
         await wait_until(created, 30, "three order.created events")

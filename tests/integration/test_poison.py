@@ -34,7 +34,6 @@ from meshforge.transport.server import EmbeddedServer
 ORDER = "cmd.default.demo.order.create"
 
 
-
 async def order(publisher: Publisher, order_id: str) -> Envelope:
     env = Envelope.new("order.create", {"order_id": order_id, "sku": "S1", "qty": 1}, source="test")
     await publisher.publish(ORDER, env)
@@ -144,7 +143,9 @@ async def test_redrive_all_with_the_worker_running_takes_each_letter_once(
     try:
         async with running([agent], settings, metrics=Metrics()):
             sent = [
-                await send(conn, agent.name, "credit", {"account": f"a{i}", "amount": 1, "mode": "invalid"})
+                await send(
+                    conn, agent.name, "credit", {"account": f"a{i}", "amount": 1, "mode": "invalid"}
+                )
                 for i in range(21)
             ]
             await wait_until(lambda: _count(conn, agent.name, 21), what="21 dead letters")
@@ -155,19 +156,29 @@ async def test_redrive_all_with_the_worker_running_takes_each_letter_once(
             out = await asyncio.wait_for(asyncio.to_thread(runner.invoke, app, args), 30)
             assert out.exit_code == 0, out.output
             assert "21 dead letter(s) re-driven" in out.stdout
-            assert {int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("re-drove")} == first
+            assert {
+                int(line.split()[1])
+                for line in out.stdout.splitlines()
+                if line.startswith("re-drove")
+            } == first
 
             # Each fails again once: 21 new dead letters, ids derived from the first one.
-            await wait_until(lambda: _count(conn, agent.name, 21, exclude=first), what="second round")
+            await wait_until(
+                lambda: _count(conn, agent.name, 21, exclude=first), what="second round"
+            )
             await wait_until(lambda: consumer_idle(conn, agent.name))
             second = await dead_letters_of(conn, agent.name)
             ids = {env.id: m.headers["Nats-Msg-Id"] for m in second if (env := m.envelope())}
             assert sorted(ids) == sorted(e.id for e in sent)
-            assert all(v.startswith(f"{k}-redrive-") and v.count("-redrive-") == 1 for k, v in ids.items())
+            assert all(
+                v.startswith(f"{k}-redrive-") and v.count("-redrive-") == 1 for k, v in ids.items()
+            )
 
             out = await asyncio.wait_for(asyncio.to_thread(runner.invoke, app, args), 30)
             assert "21 dead letter(s) re-driven" in out.stdout
-            await wait_until(lambda: _count(conn, agent.name, 21, exclude=first | {m.seq for m in second}))
+            await wait_until(
+                lambda: _count(conn, agent.name, 21, exclude=first | {m.seq for m in second})
+            )
             third = await dead_letters_of(conn, agent.name)
             assert all(m.headers["Nats-Msg-Id"].count("-redrive-") == 1 for m in third)
     finally:
@@ -178,4 +189,3 @@ async def test_redrive_all_with_the_worker_running_takes_each_letter_once(
 async def _count(conn: Connection, agent: str, n: int, exclude: set[int] | None = None) -> bool:
     letters = await dead_letters_of(conn, agent)
     return len([m for m in letters if m.seq not in (exclude or set())]) == n
-

@@ -99,8 +99,15 @@ async def test_headers_are_written_exactly_as_nats_py_writes_them(
     conn: Connection, js: JetStreamContext, stream: str
 ) -> None:
     subject = f"{stream.lower()}.c"
-    headers = {"X-Spaced": "  padded  ", "X-Lines": "one\r\ntwo\nthree", " X-Trim ": "v", "": "gone"}
-    ours = await conn.nc.pubacks().publish([Outbound(subject, b"1", headers, "")], max_in_flight=8, answer_within=5.0)  # type: ignore[attr-defined]
+    headers = {
+        "X-Spaced": "  padded  ",
+        "X-Lines": "one\r\ntwo\nthree",
+        " X-Trim ": "v",
+        "": "gone",
+    }
+    ours = await conn.nc.pubacks().publish(
+        [Outbound(subject, b"1", headers, "")], max_in_flight=8, answer_within=5.0
+    )  # type: ignore[attr-defined]
     theirs = await js.publish(subject, b"2", headers=dict(headers))
     assert isinstance(ours[0], PubAck)
     mine, plain = await js.get_msg(stream, ours[0].seq), await js.get_msg(stream, theirs.seq)

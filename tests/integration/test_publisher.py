@@ -334,12 +334,16 @@ async def test_publish_many_on_stock_nats_py_never_waits_in_its_pending_limit(
     stock.publish_async = watched  # type: ignore[method-assign]
     items = [Outbound.of(subject, Envelope.new("order.created", {"n": i})) for i in range(total)]
     try:
-        results = await Publisher(stock, settings(), Metrics()).publish_many(items, max_in_flight=window)
+        results = await Publisher(stock, settings(), Metrics()).publish_many(
+            items, max_in_flight=window
+        )
     finally:
         await js.purge_stream(STREAM_EVENTS, subject=subject)
     seqs = [r.seq for r in results]
     assert sent == total and seqs == sorted(seqs) and len(set(seqs)) == total
-    assert blocked <= total // 200, f"{blocked} of {total} messages waited in nats-py's pending limit"
+    assert blocked <= total // 200, (
+        f"{blocked} of {total} messages waited in nats-py's pending limit"
+    )
 
 
 async def test_publish_many_reports_the_first_failure(

@@ -26,13 +26,17 @@ from meshforge.errors import ConfigError
 from meshforge.store import open_store
 
 
-async def test_worker_deletes_old_effects_and_recent_ones_still_dedupe(nats_url: str, sqlite_url: str) -> None:
+async def test_worker_deletes_old_effects_and_recent_ones_still_dedupe(
+    nats_url: str, sqlite_url: str
+) -> None:
     agent = ledger_agent()
     consumer = f"{agent.name}_consumer"
     subject = f"cmd.default.test.{agent.name}.credit"
     # An effect stored eight days ago, as an earlier run of the worker left it.
     old = Envelope.new(f"{agent.name}.credit", {"account": "old", "amount": 5}, source="test")
-    past = await asyncio.to_thread(open_store, sqlite_url, clock=lambda: datetime.now(UTC) - timedelta(days=8))
+    past = await asyncio.to_thread(
+        open_store, sqlite_url, clock=lambda: datetime.now(UTC) - timedelta(days=8)
+    )
     with past.transaction() as tx:
         tx.effect_put(consumer, old.key, old.id, [], scope=SCOPE)
     past.close()
@@ -68,7 +72,9 @@ async def test_worker_deletes_old_effects_and_recent_ones_still_dedupe(nats_url:
 
 
 def test_effect_retention_shorter_than_the_duplicate_window_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"effect_retention: expected 0 \(keep forever\) or at least 196s"):
+    with pytest.raises(
+        ConfigError, match=r"effect_retention: expected 0 \(keep forever\) or at least 196s"
+    ):
         load_settings({"effect_retention": "60s", "duplicate_window": "2m"}, env={})
     assert load_settings({"effect_retention": 0}, env={}).effect_retention == 0
     assert load_settings(env={}).effect_retention == 7 * 86400

@@ -47,7 +47,9 @@ async def counted(conn: Connection) -> list[Envelope]:
     found, seq = [], 1
     while True:
         try:
-            raw = await conn.js.get_msg(STREAM_EVENTS, seq=seq, subject="evt.default.test.tally.counted", next=True)
+            raw = await conn.js.get_msg(
+                STREAM_EVENTS, seq=seq, subject="evt.default.test.tally.counted", next=True
+            )
         except Exception:  # nothing at or after seq
             return found
         found.append(decode(raw.data or b"", raw.headers or {}))
@@ -63,6 +65,7 @@ async def test_two_workers_on_one_deliver_group_process_each_command_once(
     workers = [start(*args), start(*args)]
     subject = deliver_subject(STREAM_COMMANDS, "tally_consumer")
     try:
+
         def joined() -> bool:
             for proc in workers:
                 assert proc.poll() is None, f"a worker exited: {proc.communicate()[1][-2000:]}"
@@ -71,7 +74,9 @@ async def test_two_workers_on_one_deliver_group_process_each_command_once(
         await wait_until(joined, timeout=30, what="both workers in the deliver group")
         publisher = Publisher(meshforge_connection.js, meshforge_settings)
         for n in range(N):
-            await publisher.publish("cmd.default.test.tally.count", Envelope.new("tally.count", {"n": n}))
+            await publisher.publish(
+                "cmd.default.test.tally.count", Envelope.new("tally.count", {"n": n})
+            )
 
         async def all_counted() -> bool:
             return len(await counted(meshforge_connection)) >= N

@@ -83,7 +83,9 @@ def _serving(url: str) -> bool:
     return asyncio.run(info())
 
 
-def test_second_server_on_the_same_directory_stops_and_leaves_the_first_alone(tmp_path: Path) -> None:
+def test_second_server_on_the_same_directory_stops_and_leaves_the_first_alone(
+    tmp_path: Path,
+) -> None:
     home = tmp_path / "home"
     home.mkdir()
     marker = home / "server.json"
@@ -117,7 +119,9 @@ def test_an_orphaned_nats_server_keeps_its_directory_locked(tmp_path: Path) -> N
         "import sys, time; from meshforge.transport.server import EmbeddedServer; "
         "s = EmbeddedServer(store_dir=sys.argv[1]).start(); print(s.pid, s.url, flush=True); time.sleep(300)"
     )
-    owner = subprocess.Popen([sys.executable, "-c", code, str(store)], stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code, str(store)], stdout=subprocess.PIPE, text=True
+    )
     assert owner.stdout is not None
     pid_text, url = owner.stdout.readline().split()
     orphan = int(pid_text)
@@ -133,7 +137,9 @@ def test_an_orphaned_nats_server_keeps_its_directory_locked(tmp_path: Path) -> N
     # once the last holder is gone, the directory can be served again, with its data
     wait_until_sync(lambda: not _alive(orphan), 10, "the orphan to exit")
     # A killed Go program's leader thread is a zombie before its other threads let go of the file.
-    wait_until_sync(lambda: _lock_free(store / "server.lock"), 10, "the orphan's lock to be released")
+    wait_until_sync(
+        lambda: _lock_free(store / "server.lock"), 10, "the orphan's lock to be released"
+    )
     with EmbeddedServer(store_dir=store) as again:
         assert _serving(again.url)
 

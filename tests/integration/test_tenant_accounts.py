@@ -39,8 +39,12 @@ async def test_one_account_per_tenant_keeps_everything_apart(
     for user in ("ACME", "GLOBEX"):
         monkeypatch.setenv(f"{user}_PASSWORD", f"pw-{user}")
     with configured_server(tmp_path / "server", documented_config()) as server:
-        acme = settings_for(server.url, f"sqlite:///{tmp_path / 'acme.db'}", user="acme", password="pw-ACME")
-        globex = settings_for(server.url, f"sqlite:///{tmp_path / 'globex.db'}", user="globex", password="pw-GLOBEX")
+        acme = settings_for(
+            server.url, f"sqlite:///{tmp_path / 'acme.db'}", user="acme", password="pw-ACME"
+        )
+        globex = settings_for(
+            server.url, f"sqlite:///{tmp_path / 'globex.db'}", user="globex", password="pw-GLOBEX"
+        )
         secret = f"acme-secret-{uuid.uuid4().hex}"
         seen: list[Msg] = []
 
@@ -48,7 +52,10 @@ async def test_one_account_per_tenant_keeps_everything_apart(
             seen.append(msg)
 
         async with await connect(acme) as mine, await connect(globex) as theirs:
-            for conn, s in ((mine, acme), (theirs, globex)):  # each tenant provisions its own account
+            for conn, s in (
+                (mine, acme),
+                (theirs, globex),
+            ):  # each tenant provisions its own account
                 await ensure(conn.js, default_streams(s), [agent_consumer("order", s)])
             for subject in (">", "$JS.>", "_INBOX.>", "_INBOX_acme.>"):  # all its account allows
                 await theirs.nc.subscribe(subject, cb=spy)
@@ -65,6 +72,10 @@ async def test_one_account_per_tenant_keeps_everything_apart(
                 await wait_until(landed, 30, "acme's three order.created events")
             assert (await theirs.js.stream_info(STREAM_EVENTS)).state.messages == 0
             await theirs.nc.flush()
-        assert any(m.subject.startswith("_INBOX_globex.") for m in seen), "the spy heard nothing, not even itself"
+        assert any(m.subject.startswith("_INBOX_globex.") for m in seen), (
+            "the spy heard nothing, not even itself"
+        )
         assert not any(secret.encode() in m.data for m in seen)
-        assert not any(m.subject.startswith(("cmd.", "evt.", "_INBOX_acme")) for m in seen), [m.subject for m in seen]
+        assert not any(m.subject.startswith(("cmd.", "evt.", "_INBOX_acme")) for m in seen), [
+            m.subject for m in seen
+        ]

@@ -34,7 +34,6 @@ from meshforge.transport.server import EmbeddedServer
 NS = "demo"
 
 
-
 class Tenants:
     """A connection, an event watch and a way to send commands as a tenant."""
 
@@ -78,7 +77,9 @@ async def test_a_tenant_header_or_body_that_is_not_the_subjects_is_rejected(
     tenants: Tenants, own_store_url: str
 ) -> None:
     order = {"order_id": "o-spoof", "sku": "S1", "qty": 1}
-    by_header = await tenants.ask("tenantA", "order.create", order, headers={"Tenant-Id": "tenantB"})
+    by_header = await tenants.ask(
+        "tenantA", "order.create", order, headers={"Tenant-Id": "tenantB"}
+    )
     by_body = await tenants.ask(
         "tenantA", "order.create", order, tenant_id="tenantB", headers={"Tenant-Id": "tenantA"}
     )
@@ -92,12 +93,20 @@ async def test_a_tenant_header_or_body_that_is_not_the_subjects_is_rejected(
         return len(await dead_letters_of(tenants.conn, "order")) >= 2
 
     await wait_until(both_dead, what="two dead letters")
-    dead = {m.headers.get("Nats-Msg-Id"): m.headers for m in await dead_letters_of(tenants.conn, "order")}
+    dead = {
+        m.headers.get("Nats-Msg-Id"): m.headers
+        for m in await dead_letters_of(tenants.conn, "order")
+    }
     assert set(dead) == {by_header.id, by_body.id}
-    for headers, where in ((dead[by_header.id], "Tenant-Id header"), (dead[by_body.id], "body tenant_id")):
+    for headers, where in (
+        (dead[by_header.id], "Tenant-Id header"),
+        (dead[by_body.id], "body tenant_id"),
+    ):
         assert headers["Dlq-Reason"] == "rejected"
         error = headers["Dlq-Error"]
-        assert where in error and "'tenantB'" in error and "'tenantA'" in error and "\n" not in error
+        assert (
+            where in error and "'tenantB'" in error and "'tenantA'" in error and "\n" not in error
+        )
     assert not [s for s in tenants.watch.seen if s.causation_id in (by_header.id, by_body.id)]
     keys = {r.key for r in await tenants.effects()}
     assert by_header.key not in keys and by_body.key not in keys and plain.key in keys
@@ -105,7 +114,9 @@ async def test_a_tenant_header_or_body_that_is_not_the_subjects_is_rejected(
 
 async def test_a_tenant_never_sees_nor_blocks_another_tenants_order(tenants: Tenants) -> None:
     order = {"order_id": "o-1", "sku": "S1", "qty": 2}
-    assert (await tenants.answer(await tenants.ask("tenantA", "order.create", order))).type == "order.created"
+    assert (
+        await tenants.answer(await tenants.ask("tenantA", "order.create", order))
+    ).type == "order.created"
 
     lookup = await tenants.answer(await tenants.ask("tenantB", "order.get", {"order_id": "o-1"}))
     assert (lookup.type, lookup.subject) == ("order.not_found", "evt.tenantB.demo.order.not_found")
@@ -122,7 +133,9 @@ async def test_a_tenant_never_sees_nor_blocks_another_tenants_order(tenants: Ten
 async def test_a_tenant_cannot_take_another_tenants_stock(tenants: Tenants) -> None:
     stock = await tenants.ask("tenantA", "inventory.create", {"sku": "S1", "qty": 5})
     assert (await tenants.answer(stock)).type == "inventory.created"
-    grab = await tenants.ask("tenantB", "inventory.reserve", {"order_id": "x", "sku": "S1", "qty": 3})
+    grab = await tenants.ask(
+        "tenantB", "inventory.reserve", {"order_id": "x", "sku": "S1", "qty": 3}
+    )
     refused = await tenants.answer(grab)
     assert (refused.type, refused.payload["reason"]) == ("inventory.rejected", "unknown sku")
     assert refused.subject == "evt.tenantB.demo.inventory.rejected"
@@ -171,12 +184,18 @@ async def test_workers_bound_to_two_tenants_each_keep_their_own_consumer(
                 for t in ("tenantA", "tenantB")
             }
             for tenant in ("tenantA", "tenantB"):
-                env = await ask.ask(tenant, "order.create", {"order_id": "o-1", "sku": "S", "qty": 1})
+                env = await ask.ask(
+                    tenant, "order.create", {"order_id": "o-1", "sku": "S", "qty": 1}
+                )
                 seen = await ask.answer(env)
                 assert seen.subject == f"evt.{tenant}.demo.order.created"
             for tenant, info in infos.items():
                 now = await conn.js.consumer_info("MESHFORGE_COMMANDS", info.name)
-                assert now.config.filter_subject == info.config.filter_subject == f"cmd.{tenant}.*.order.>"
+                assert (
+                    now.config.filter_subject
+                    == info.config.filter_subject
+                    == f"cmd.{tenant}.*.order.>"
+                )
     finally:
         await watch.stop()
         await conn.close()

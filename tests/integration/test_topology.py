@@ -226,7 +226,9 @@ async def test_consumer_changes_are_diffs(empty_js: JetStreamContext) -> None:
     (MaxDeliver max_deliver + 1, backoff trimmed) is updated in place."""
     old = replace(agent_consumer("order", Settings()), max_deliver=4, backoff=(1.0, 5.0, 10.0))
     await ensure(empty_js, default_streams(Settings()), [old])
-    planned = await plan(empty_js, default_streams(Settings()), [agent_consumer("order", Settings())])
+    planned = await plan(
+        empty_js, default_streams(Settings()), [agent_consumer("order", Settings())]
+    )
     order = step(planned, "MESHFORGE_COMMANDS/order_consumer")
     assert order.action is Action.UPDATE
     assert order.details == "max_deliver 4 -> unlimited; backoff 1s,5s,10s -> 1s,5s,10s,30s"

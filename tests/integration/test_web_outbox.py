@@ -54,7 +54,9 @@ def web(meshforge_store: Store, meshforge_settings: Settings) -> Iterator[str]:
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as resp:
             return resp.status, json.loads(resp.read())
@@ -107,19 +109,27 @@ async def test_requests_write_orders_and_commands_together_and_the_relay_sends_t
     relay = start("relay", "--store", meshforge_store_url, "--nats-url", meshforge_settings.nats_url or "",
                   "--idle", "0.1", "--metrics-port", str(port))  # fmt: skip
     try:
+
         async def five() -> bool:
-            return len(await stored(meshforge_connection, STREAM_COMMANDS, wsgi_outbox.RESERVE)) >= 5
+            return (
+                len(await stored(meshforge_connection, STREAM_COMMANDS, wsgi_outbox.RESERVE)) >= 5
+            )
 
         await wait_until(five, timeout=20, what="the relay to publish 5 commands")
         # The relay has the same health and metrics endpoint as a worker or a node.
-        assert ops_support.status(port, "/readyz") == 200 and ops_support.status(port, "/healthz") == 200
+        assert (
+            ops_support.status(port, "/readyz") == 200
+            and ops_support.status(port, "/healthz") == 200
+        )
         published = ops_support.scrape(port)["meshforge_published_total"]
         assert sum(published.values()) >= 5 and "meshforge_outbox_depth" in ops_support.scrape(port)
         # A request after the relay started is sent too.
         assert post(f"{web}/orders", {"order_id": "o-5", "sku": "B-2", "qty": 1})[0] == 201
 
         async def six() -> bool:
-            return len(await stored(meshforge_connection, STREAM_COMMANDS, wsgi_outbox.RESERVE)) >= 6
+            return (
+                len(await stored(meshforge_connection, STREAM_COMMANDS, wsgi_outbox.RESERVE)) >= 6
+            )
 
         await wait_until(six, timeout=20, what="the sixth command")
     finally:
@@ -128,7 +138,10 @@ async def test_requests_write_orders_and_commands_together_and_the_relay_sends_t
     assert "6 message(s) sent" in err
     commands = await stored(meshforge_connection, STREAM_COMMANDS, wsgi_outbox.RESERVE)
     assert sorted(c.payload["order_id"] for c in commands) == [f"o-{n}" for n in range(6)]
-    assert all(c.type == "inventory.reserve" and c.key == f"reserve-{c.payload['order_id']}" for c in commands)
+    assert all(
+        c.type == "inventory.reserve" and c.key == f"reserve-{c.payload['order_id']}"
+        for c in commands
+    )
 
 
 async def test_run_with_relay_sends_the_outbox_beside_the_agents(
@@ -141,11 +154,17 @@ async def test_run_with_relay_sends_the_outbox_beside_the_agents(
     try:
         # The relay sends the reserve; the inventory agent (same process) answers it.
         async def answered() -> bool:
-            return bool(await stored(meshforge_connection, STREAM_EVENTS, "evt.default.shop.inventory.rejected"))
+            return bool(
+                await stored(
+                    meshforge_connection, STREAM_EVENTS, "evt.default.shop.inventory.rejected"
+                )
+            )
 
         await wait_until(answered, timeout=30, what="inventory.rejected from the relayed command")
     finally:
         code, err = stop(worker)
     assert code == 0, err
-    [rejected] = await stored(meshforge_connection, STREAM_EVENTS, "evt.default.shop.inventory.rejected")
+    [rejected] = await stored(
+        meshforge_connection, STREAM_EVENTS, "evt.default.shop.inventory.rejected"
+    )
     assert rejected.payload["order_id"] == "o-1" and rejected.payload["reason"] == "unknown sku"

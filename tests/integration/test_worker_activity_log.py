@@ -35,7 +35,9 @@ async def test_a_busy_worker_logs_a_rate_summary_not_a_line_per_command(
             for record in caplog.records:
                 if record.name != "meshforge.activity":
                     continue
-                for number, what in re.findall(r"(\d+) (ok|duplicate|dead-lettered)", record.getMessage()):
+                for number, what in re.findall(
+                    r"(\d+) (ok|duplicate|dead-lettered)", record.getMessage()
+                ):
                     seen[what.split("-")[0]] += int(number)
             return seen
 
@@ -57,14 +59,23 @@ async def test_a_busy_worker_logs_a_rate_summary_not_a_line_per_command(
 
 
 def test_the_summary_says_what_changed_and_nothing_when_nothing_did() -> None:
-    before = {"order_consumer": {"acked": 10.0, "duplicate": 1.0, "retried": 0.0, "dead:malformed": 2.0}}
-    after = {"order_consumer": {"acked": 15.0, "duplicate": 2.0, "retried": 1.0, "dead:malformed": 3.0}}
+    before = {
+        "order_consumer": {"acked": 10.0, "duplicate": 1.0, "retried": 0.0, "dead:malformed": 2.0}
+    }
+    after = {
+        "order_consumer": {"acked": 15.0, "duplicate": 2.0, "retried": 1.0, "dead:malformed": 3.0}
+    }
     line = describe(before, after, 1.0, {"order_consumer": "order"})
-    assert line == "handled 5 command(s) in 1.0s (5/s): order 3 ok, 1 duplicate, 1 to retry, 1 dead-lettered (1 malformed)"
+    assert (
+        line
+        == "handled 5 command(s) in 1.0s (5/s): order 3 ok, 1 duplicate, 1 to retry, 1 dead-lettered (1 malformed)"
+    )
     assert describe(after, after, 1.0, {}) is None
 
 
 def test_run_refuses_an_unknown_log_level() -> None:
     out = CliRunner().invoke(app, ["run", "meshforge.demo:OrderAgent", "--log-level", "chatty"])
     assert isinstance(out.exception, ConfigError)  # main() makes it exit 2 with one line
-    assert "expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'chatty'" in str(out.exception)
+    assert "expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'chatty'" in str(
+        out.exception
+    )

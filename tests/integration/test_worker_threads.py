@@ -41,7 +41,9 @@ def switch_interval() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("switch_interval")
-async def test_a_running_worker_switches_threads_within_half_a_millisecond(nats_url: str, sqlite_url: str) -> None:
+async def test_a_running_worker_switches_threads_within_half_a_millisecond(
+    nats_url: str, sqlite_url: str
+) -> None:
     store = await open_store_async(sqlite_url)
     try:
         async with running([ledger_agent()], settings_for(nats_url, sqlite_url), store=store):
@@ -136,7 +138,9 @@ def test_freezing_the_start_up_heap_leaves_a_full_collection_little_to_walk() ->
         "after = min(full() for _ in range(3))\n"
         "print(gc.get_freeze_count(), before, after)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
     frozen, before, after = out.stdout.split()
     assert int(frozen) > 10_000
     assert float(after) < float(before) / 3

@@ -38,12 +38,16 @@ pytestmark = pytest.mark.postgres
 DEMO = Scope("default", "demo")
 
 
-
 @pytest.mark.slow
 async def test_three_workers_one_killed_give_exactly_one_effect_per_command(
     private_server: EmbeddedServer, own_pg: str, tmp_path: Path
 ) -> None:
-    env = {"MESHFORGE_BATCH_SIZE": "8", "MESHFORGE_BACKOFF": "0.5s,1s", "MESHFORGE_MAX_DELIVER": "20", "MESHFORGE_LOG_LEVEL": "INFO"}
+    env = {
+        "MESHFORGE_BATCH_SIZE": "8",
+        "MESHFORGE_BACKOFF": "0.5s,1s",
+        "MESHFORGE_MAX_DELIVER": "20",
+        "MESHFORGE_LOG_LEVEL": "INFO",
+    }
     specs = ["meshforge.demo:OrderAgent", "meshforge.demo:InventoryAgent"]
     workers = [
         AgentProcess(specs, own_pg, private_server.url, tmp_path / f"worker{i}.log", env=env)
@@ -56,7 +60,9 @@ async def test_three_workers_one_killed_give_exactly_one_effect_per_command(
         publisher = Publisher(conn.js)
         skus = [f"S{i}" for i in range(6)]
         stock = [Envelope.new("inventory.create", {"sku": s, "qty": 100_000}) for s in skus]
-        await publisher.publish_many([Outbound.of("cmd.default.demo.inventory.create", e) for e in stock])
+        await publisher.publish_many(
+            [Outbound.of("cmd.default.demo.inventory.create", e) for e in stock]
+        )
         orders = [Envelope.new("order.create", {"sku": rng.choice(skus), "qty": rng.randint(1, 3)})
                   for _ in range(400)]  # fmt: skip
         # Re-sends of some requests: new message ids, same Idempotency-Key.
@@ -88,13 +94,19 @@ async def test_three_workers_one_killed_give_exactly_one_effect_per_command(
         async def all_running() -> bool:
             # A restarted worker may still be starting when the work is done: a SIGTERM
             # before its signal handlers exist would end it with -15, not a graceful stop.
-            return all(w.log_path.read_text().count("running order, inventory") >= w.starts for w in workers)
+            return all(
+                w.log_path.read_text().count("running order, inventory") >= w.starts
+                for w in workers
+            )
 
         await wait_until(all_running, within=30, what="every worker running")
         for w in workers:
             assert w.stop(20) == 0, w.log_path.read_text()[-2000:]
 
-        events = [m.envelope() for m in await events_of(conn, "order") + await events_of(conn, "inventory")]
+        events = [
+            m.envelope()
+            for m in await events_of(conn, "order") + await events_of(conn, "inventory")
+        ]
         created: dict[str, set[str]] = defaultdict(set)
         reserved: dict[str, set[str]] = defaultdict(set)
         for e in events:
@@ -157,14 +169,18 @@ async def test_same_key_raced_by_two_engines_commits_one_effect(
             engines[0].handle([delivery(first, 1)]), engines[1].handle([delivery(second, 2)])
         )
         assert a[0].action is Action.ACK and b[0].action is Action.ACK
-        skipped = [e.metrics.duplicates_skipped.labels(consumer=e.consumer)._value.get() for e in engines]
+        skipped = [
+            e.metrics.duplicates_skipped.labels(consumer=e.consumer)._value.get() for e in engines
+        ]
         assert sorted(skipped) == [0, 1]  # the loser found the winner's effect and re-published it
         logged = list(stores[0].events_read(agent_a.name, scope=SCOPE))
         assert len(logged) == 1
         published = {m.envelope().id for m in await events_of(conn, agent_a.name)}  # type: ignore[union-attr]
         assert published == {logged[0].event_id}
         with stores[0].transaction() as tx:
-            assert (tx.state_get(agent_a.name, "x", scope=SCOPE) is None) != (tx.state_get(agent_a.name, "y", scope=SCOPE) is None)
+            assert (tx.state_get(agent_a.name, "x", scope=SCOPE) is None) != (
+                tx.state_get(agent_a.name, "y", scope=SCOPE) is None
+            )
     finally:
         for engine in engines:
             engine.close()

@@ -21,5 +21,3 @@ async def publish_many(
     ]
     for i in range(0, len(futures), 500):
         await asyncio.gather(*futures[i : i + 500])
-
-

@@ -61,13 +61,19 @@ async def test_spark_submit_ingest_then_audit_exit_code(
     assert "MESHFORGE_EVENTS: 1 new rows" in said and "skipping MESHFORGE_FAILED" in said
 
     code, report, output = _audit(out)
-    assert (code, report["counts"]["events"], report["counts"]["duplicate_effects"]) == (0, 1, 0), output
+    assert (code, report["counts"]["events"], report["counts"]["duplicate_effects"]) == (0, 1, 0), (
+        output
+    )
     assert "report:" in output and (out / "report" / "audit.html").is_file()
 
     # the same output again under a fresh id: a doubled effect, and a non-zero exit
     await _publish(url, [event.with_(id=str(uuid.uuid4()))])
-    ingested = CliRunner().invoke(app, ["pipeline", "ingest", "--nats-url", url, "--output", str(out), "--master", "local[2]"])
+    ingested = CliRunner().invoke(
+        app, ["pipeline", "ingest", "--nats-url", url, "--output", str(out), "--master", "local[2]"]
+    )
     assert ingested.exit_code == 0, ingested.output
     code, report, output = _audit(out)
-    assert (code, report["counts"]["events"], report["counts"]["duplicate_effects"]) == (1, 2, 1), output
+    assert (code, report["counts"]["events"], report["counts"]["duplicate_effects"]) == (1, 2, 1), (
+        output
+    )
     assert "VIOLATED" in output

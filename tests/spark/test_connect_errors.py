@@ -19,7 +19,9 @@ PASSWORD = "Spark-pw-planted-4417"
 BOUND = 2 + 1.5 + 60
 
 
-def test_source_and_sink_fail_bounded_without_the_password(spark: SparkSession, tmp_path: Path) -> None:
+def test_source_and_sink_fail_bounded_without_the_password(
+    spark: SparkSession, tmp_path: Path
+) -> None:
     retry = {"connect_timeout": "1", "connect_attempts": "2"}
     started = time.monotonic()
     with pytest.raises(Exception) as read_error:  # Spark wraps the Python error

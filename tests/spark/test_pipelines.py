@@ -78,7 +78,9 @@ class Scenario:
         return cmd
 
     def duplicate_event(self, cmd: Envelope) -> None:
-        stray = cmd.child("order.created", {"order_id": "again"}, position=0).with_(id=str(uuid.uuid4()))
+        stray = cmd.child("order.created", {"order_id": "again"}, position=0).with_(
+            id=str(uuid.uuid4())
+        )
         out = Outbound.of(EVT_SUBJECT, stray)
         self.wire.append((out.subject, out.data, out.headers))
 
@@ -91,10 +93,14 @@ class Scenario:
         )  # fmt: skip
 
 
-async def test_ingest_twice_lands_each_message_once(spark: SparkSession, private_server: EmbeddedServer, tmp_path: Path) -> None:
+async def test_ingest_twice_lands_each_message_once(
+    spark: SparkSession, private_server: EmbeddedServer, tmp_path: Path
+) -> None:
     url = private_server.url
     await _streams(url)
-    bodies = [(EVT_SUBJECT, Envelope.new("order.created", {"n": i}).encode(), {}) for i in range(40)]
+    bodies = [
+        (EVT_SUBJECT, Envelope.new("order.created", {"n": i}).encode(), {}) for i in range(40)
+    ]
     await _publish(url, bodies[:25])
     first = ingest(spark, url, EVENTS, tmp_path / "events", max_messages_per_trigger=10)
     assert (first.rows, first.batches, first.end_offset) == (25, 3, {EVENTS: 26})
@@ -130,7 +136,9 @@ async def test_audit_passes_on_clean_data_and_catches_planted_faults(
     assert (counts["events"], counts["commands"], counts["effects"]) == (6, 7, 6)
     assert clean.findings["dead_letters"]["by_reason"] == {"unrecoverable": 1}
     assert clean.findings["dead_letters"]["by_subject"] == {CMD_SUBJECT: 1}
-    assert clean.findings["redeliveries"]["messages_redelivered"] == 3  # two of six + the dead letter
+    assert (
+        clean.findings["redeliveries"]["messages_redelivered"] == 3
+    )  # two of six + the dead letter
     assert clean.findings["latency_ms"]["count"] == 6 and clean.findings["latency_ms"]["p50"] >= 0
     assert json.loads(clean.json_path.read_text())["ok"] is True
     assert "Exactly-once holds" in clean.html_path.read_text()
@@ -159,7 +167,9 @@ async def test_audit_counts_an_output_stored_twice_after_the_duplicate_window(
     url, store_url = private_server.url, f"sqlite:///{tmp_path / 'store.db'}"
     nc = await nats.connect(url)
     js = nc.jetstream()
-    await js.add_stream(name=EVENTS, subjects=["evt.>"], duplicate_window=0.2)  # minutes, made short
+    await js.add_stream(
+        name=EVENTS, subjects=["evt.>"], duplicate_window=0.2
+    )  # minutes, made short
     scenario = Scenario(store_url)
     commands = [scenario.processed() for _ in range(3)]
     for subject, data, headers in scenario.wire:
@@ -170,16 +180,27 @@ async def test_audit_counts_an_output_stored_twice_after_the_duplicate_window(
         ack = await js.publish(subject, data, headers=headers)
         return not ack.duplicate  # inside the window the server drops it
 
-    await wait_until(stored_again, timeout=10, what="the re-publish stored after the duplicate window")
+    await wait_until(
+        stored_again, timeout=10, what="the re-publish stored after the duplicate window"
+    )
     await nc.close()
     events = tmp_path / "events"
     assert ingest(spark, url, EVENTS, events).rows == 4
     result = audit(spark, str(events), tmp_path / "report", store_url=store_url)
     assert not result.ok
     counts, violations = result.findings["counts"], result.findings["violations"]
-    assert (counts["events"], counts["event_ids"], counts["duplicate_effects"], counts["doubled_outputs"]) == (4, 3, 0, 1)
+    assert (
+        counts["events"],
+        counts["event_ids"],
+        counts["duplicate_effects"],
+        counts["doubled_outputs"],
+    ) == (4, 3, 0, 1)
     [doubled] = violations["doubled_outputs"]
-    assert (doubled["id"], doubled["causation_id"], doubled["copies"]) == (headers["Nats-Msg-Id"], commands[1].id, 2)
+    assert (doubled["id"], doubled["causation_id"], doubled["copies"]) == (
+        headers["Nats-Msg-Id"],
+        commands[1].id,
+        2,
+    )
     assert doubled["seqs"] == [2, 4]
     assert "Exactly-once VIOLATED" in result.html_path.read_text()
     scenario.store.close()
@@ -219,4 +240,6 @@ def test_store_source_reads_every_table(spark: SparkSession, tmp_path: Path) -> 
     assert (inbox.message_id, inbox.status, inbox.deliveries) == (cmd.id, "processed", 2)
     assert (inbox.tenant, inbox.namespace) == ("default", "demo")
     with pytest.raises(Exception, match="no store at sqlite:///"):
-        spark.read.format("meshforge_store").option("url", "sqlite:///nowhere/x.db").option("table", "inbox").load().count()
+        spark.read.format("meshforge_store").option("url", "sqlite:///nowhere/x.db").option(
+            "table", "inbox"
+        ).load().count()

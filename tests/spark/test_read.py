@@ -73,7 +73,9 @@ async def test_offsets_filter_and_envelope_columns(
     ).orderBy("seq").collect()  # fmt: skip
     assert [r.seq for r in rows] == [11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31]
     good, bad = rows[:-1], rows[-1]
-    assert good[0].id == "e-10" and good[0].causation_id == "c-10" and good[0].type == "order.created"
+    assert (
+        good[0].id == "e-10" and good[0].causation_id == "c-10" and good[0].type == "order.created"
+    )
     assert json.loads(good[0].payload) == {"n": 10}
     assert good[0].envelope_ts == datetime(2026, 1, 2, 3, 4, 5, 123456)
     assert good[0].envelope_error is None
@@ -107,10 +109,14 @@ async def test_purged_start_fails_clearly_or_skips(
     start = json.dumps({stream: 3})
     with pytest.raises(Exception, match=r"messages 3\.\.15 were removed before they were read"):
         _reader(spark, nats_url, stream, startingOffsets=start).count()
-    assert _reader(spark, nats_url, stream, startingOffsets=start, failOnDataLoss="false").count() == 5
+    assert (
+        _reader(spark, nats_url, stream, startingOffsets=start, failOnDataLoss="false").count() == 5
+    )
 
 
-def test_missing_stream_and_bad_options_are_one_line_errors(spark: SparkSession, nats_url: str) -> None:
+def test_missing_stream_and_bad_options_are_one_line_errors(
+    spark: SparkSession, nats_url: str
+) -> None:
     with pytest.raises(Exception, match="stream 'NOPE' not found"):
         _reader(spark, nats_url, "NOPE").count()
     with pytest.raises(Exception, match="option 'partitions' must be an integer"):

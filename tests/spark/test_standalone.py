@@ -121,7 +121,10 @@ async def _publish(url: str) -> None:
     await js.add_stream(name="MESHFORGE_FAILED", subjects=["failed.>"])
     for i in range(EVENTS):
         cmd = Envelope.new("order.create", {"order_id": f"o-{i}", "sku": "S", "qty": 1})
-        out = Outbound.of("evt.default.demo.order.created", cmd.child("order.created", {"order_id": f"o-{i}"}, position=0))
+        out = Outbound.of(
+            "evt.default.demo.order.created",
+            cmd.child("order.created", {"order_id": f"o-{i}"}, position=0),
+        )
         await js.publish(out.subject, out.data, headers=out.headers)
     for i in range(DEAD_LETTERS):
         bad = Envelope.new("order.create", {"qty": -i})
@@ -162,7 +165,10 @@ async def test_ingest_and_audit_on_a_standalone_cluster_equal_local_mode(
     # on the cluster, through spark-submit and job.py
     remote = tmp_path / "remote"
     said = _submit(standalone.url, tmp_path, "ingest", "--nats-url", url, "--output", str(remote))
-    assert f"MESHFORGE_EVENTS: {EVENTS} new rows" in said and f"MESHFORGE_FAILED: {DEAD_LETTERS} new rows" in said
+    assert (
+        f"MESHFORGE_EVENTS: {EVENTS} new rows" in said
+        and f"MESHFORGE_FAILED: {DEAD_LETTERS} new rows" in said
+    )
     said = _submit(standalone.url, tmp_path, "audit", "--output", str(remote))
     assert "exactly-once holds" in said, said[-3000:]
     # the tasks ran in executors of the standalone worker, not in the driver
@@ -180,7 +186,10 @@ async def test_ingest_and_audit_on_a_standalone_cluster_equal_local_mode(
     on_cluster, in_local = _report(remote), _report(local)
     assert on_cluster == in_local
     assert on_cluster["ok"] is True
-    assert on_cluster["counts"]["events"] == EVENTS and on_cluster["dead_letters"]["total"] == DEAD_LETTERS
+    assert (
+        on_cluster["counts"]["events"] == EVENTS
+        and on_cluster["dead_letters"]["total"] == DEAD_LETTERS
+    )
     for base in (remote, local):
         counts = [spark.read.parquet(str(base / name)).count() for name in ("events", "failed")]
         assert counts == [EVENTS, DEAD_LETTERS], base

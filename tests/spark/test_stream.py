@@ -24,7 +24,9 @@ def _stream_df(spark: SparkSession, url: str, stream: str, **options: str) -> Da
     return r.load()
 
 
-def _to_parquet(df: DataFrame, out: Path, checkpoint: Path, *, available_now: bool = True) -> StreamingQuery:
+def _to_parquet(
+    df: DataFrame, out: Path, checkpoint: Path, *, available_now: bool = True
+) -> StreamingQuery:
     w = df.writeStream.format("parquet").option("checkpointLocation", str(checkpoint))
     w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime="0 seconds")
     return w.start(str(out))
@@ -39,7 +41,12 @@ async def test_stopped_and_restarted_query_neither_loses_nor_repeats(
 ) -> None:
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     await publish_many(js, f"{stream.lower()}.a", 300)
-    query = _to_parquet(_stream_df(spark, nats_url, stream, maxMessagesPerTrigger="40"), out, ckpt, available_now=False)
+    query = _to_parquet(
+        _stream_df(spark, nats_url, stream, maxMessagesPerTrigger="40"),
+        out,
+        ckpt,
+        available_now=False,
+    )
     try:
         wait_until(lambda: len(query.recentProgress) >= 2, what="two micro-batches")
     finally:
@@ -57,7 +64,11 @@ async def test_max_messages_per_trigger_bounds_each_micro_batch(
     spark: SparkSession, nats_url: str, js: JetStreamContext, stream: str, tmp_path: Path
 ) -> None:
     await publish_many(js, f"{stream.lower()}.a", 95)
-    query = _to_parquet(_stream_df(spark, nats_url, stream, maxMessagesPerTrigger="20"), tmp_path / "o", tmp_path / "c")
+    query = _to_parquet(
+        _stream_df(spark, nats_url, stream, maxMessagesPerTrigger="20"),
+        tmp_path / "o",
+        tmp_path / "c",
+    )
     query.awaitTermination()
     sizes = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
     assert sizes and max(sizes) <= 20

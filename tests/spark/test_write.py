@@ -65,7 +65,10 @@ async def test_round_trip_keeps_ids_and_a_subject_option_redirects(
     assert _reports(report)[0]["stored"] == 10
     copied = [await js.get_msg(stream, seq) for seq in range(11, 21)]
     assert {m.subject for m in copied} == {f"{base}.copy"}
-    assert all(m.headers and m.headers["Nats-Msg-Id"] == derive_msg_id(f"{base}.copy", m.data) for m in copied)
+    assert all(
+        m.headers and m.headers["Nats-Msg-Id"] == derive_msg_id(f"{base}.copy", m.data)
+        for m in copied
+    )
 
 
 async def test_streaming_sink_counts_each_batch(
@@ -80,9 +83,13 @@ async def test_streaming_sink_counts_each_batch(
            .option("maxMessagesPerTrigger", "5").load())  # fmt: skip
     query = (
         src.selectExpr("data", "get_json_object(cast(data as string), '$.id') as msg_id")
-        .writeStream.format("jetstream").option("servers", nats_url)
-        .option("subject", f"{base}.out").option("reportPath", str(report))
-        .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start()
+        .writeStream.format("jetstream")
+        .option("servers", nats_url)
+        .option("subject", f"{base}.out")
+        .option("reportPath", str(report))
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .trigger(availableNow=True)
+        .start()
     )
     query.awaitTermination()
     batches = _reports(report)
@@ -123,7 +130,13 @@ async def test_replay_dry_run_then_twice_with_a_rate(
         started = time.monotonic()
         first = replay(spark, str(tmp_path / "t"), f"{target.lower()}.again", nats_url, rate=200)
         assert time.monotonic() - started >= 0.09  # 20 rows at 200/s
-        second = replay(spark, str(tmp_path / "t"), f"{target.lower()}.again", nats_url, where="type = 'order.created'")
+        second = replay(
+            spark,
+            str(tmp_path / "t"),
+            f"{target.lower()}.again",
+            nats_url,
+            where="type = 'order.created'",
+        )
         assert (first.rows, first.stored, first.duplicates) == (20, 20, 0)
         assert (second.rows, second.stored, second.duplicates) == (20, 0, 20)
         msg = await js.get_msg(target, 1)
@@ -143,7 +156,9 @@ async def test_replay_of_dead_letters_goes_to_the_original_subject(
         ("MESHFORGE_FAILED", 2, f"failed.{base}.b", {"Dlq-Reason": "malformed", "Nats-Msg-Id": "m2"}, b"x"),
         ("MESHFORGE_FAILED", 3, "failed.original.MESHFORGE_COMMANDS.7", {"Dlq-Chunk": "1/1"}, b"copy"),
     ]  # fmt: skip
-    df = spark.createDataFrame(rows, "stream string, seq long, subject string, headers map<string,string>, data binary")
+    df = spark.createDataFrame(
+        rows, "stream string, seq long, subject string, headers map<string,string>, data binary"
+    )
     result = replay(spark, df, None, nats_url)
     assert (result.rows, result.stored) == (2, 2)
     first, second = await js.get_msg(stream, 1), await js.get_msg(stream, 2)

@@ -135,7 +135,9 @@ def test_resource_key_from_field_callable_resource_id_or_singleton() -> None:
 async def test_handle_accepts_sync_async_single_and_none() -> None:
     agent = TallyAgent()
     specs = agent.commands()
-    out = await agent.handle(specs["add"], cmd("tally.add", {"tally_id": "t", "n": 3}), Tally(total=1))
+    out = await agent.handle(
+        specs["add"], cmd("tally.add", {"tally_id": "t", "n": 3}), Tally(total=1)
+    )
     assert out == [Event("added", {"n": 3, "before": 1})]
     out = await agent.handle(specs["ping"], cmd("tally.ping", {}), Tally(total=5))
     assert out == [Send("other", "pong", {"total": 5}, resource_id="r1")]
@@ -178,7 +180,9 @@ def test_build_outputs_refuses_bad_event_names_and_unencodable_payloads() -> Non
     with pytest.raises(InvalidSubject):
         build_outputs(agent, c, "t", "cmd.default.demo.tally.add", [Event("bad name", {})], Tally())
     with pytest.raises(TypeError):
-        build_outputs(agent, c, "t", "cmd.default.demo.tally.add", [Event("x", {"o": object()})], Tally())
+        build_outputs(
+            agent, c, "t", "cmd.default.demo.tally.add", [Event("x", {"o": object()})], Tally()
+        )
 
 
 def test_normalize_payload_gives_plain_json_values() -> None:
@@ -236,7 +240,12 @@ async def test_demo_order_agent_creates_gets_and_validates() -> None:
     assert missing == [Event("not_found", {"order_id": "zz"})]
     with pytest.raises(Unrecoverable, match="already exists"):
         await agent.handle(specs["create"], create, state)
-    for bad in ({"qty": 1}, {"sku": "A", "qty": "x"}, {"sku": "A", "qty": 0}, {"sku": "", "qty": 1}):
+    for bad in (
+        {"qty": 1},
+        {"sku": "A", "qty": "x"},
+        {"sku": "A", "qty": 0},
+        {"sku": "", "qty": 1},
+    ):
         with pytest.raises(Unrecoverable, match=r"invalid order\.create"):
             await agent.handle(specs["create"], cmd("order.create", bad), OrderState())
     with pytest.raises(Unrecoverable, match="lacks 'order_id'"):
@@ -247,18 +256,26 @@ async def test_demo_inventory_agent_reserves_until_stock_runs_out() -> None:
     agent = InventoryAgent()
     specs = agent.commands()
     state = InventoryState()
-    out = await agent.handle(specs["create"], cmd("inventory.create", {"sku": "A", "qty": 3}), state)
+    out = await agent.handle(
+        specs["create"], cmd("inventory.create", {"sku": "A", "qty": 3}), state
+    )
     state = agent.apply(state, out[0])  # type: ignore[arg-type]
     assert state == InventoryState(sku="A", qty=3, reserved=0, exists=True)
     reserve = cmd("inventory.reserve", {"order_id": "o1", "sku": "A", "qty": 2})
     out = await agent.handle(specs["reserve"], reserve, state)
     assert out == [Event("reserved", {"order_id": "o1", "sku": "A", "qty": 2})]
     state = agent.apply(state, out[0])  # type: ignore[arg-type]
-    out = await agent.handle(specs["reserve"], cmd("inventory.reserve", {"order_id": "o2", "sku": "A", "qty": 2}), state)
+    out = await agent.handle(
+        specs["reserve"], cmd("inventory.reserve", {"order_id": "o2", "sku": "A", "qty": 2}), state
+    )
     assert out[0].name == "rejected" and out[0].payload["reason"] == "not enough stock"  # type: ignore[union-attr]
     found = await agent.handle(specs["get"], cmd("inventory.get", {"sku": "A"}), state)
     assert found == [Event("found", {"sku": "A", "qty": 3, "reserved": 2})]
     nothing = await agent.handle(specs["get"], cmd("inventory.get", {"sku": "B"}), InventoryState())
     assert nothing == [Event("not_found", {"sku": "B"})]
-    unknown = await agent.handle(specs["reserve"], cmd("inventory.reserve", {"order_id": "o", "sku": "B", "qty": 1}), InventoryState())
+    unknown = await agent.handle(
+        specs["reserve"],
+        cmd("inventory.reserve", {"order_id": "o", "sku": "B", "qty": 1}),
+        InventoryState(),
+    )
     assert unknown[0].payload["reason"] == "unknown sku"  # type: ignore[union-attr]

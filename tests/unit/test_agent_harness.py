@@ -44,7 +44,10 @@ def test_bad_payloads_and_unknown_commands_are_dead_letters(agent_harness: Harne
     assert "'qty' must be > 0" in bad.dead_letter.error
     assert bad.events == [] and not h.state("A-1").exists
     unknown = h.send("nope", {"sku": "A-1"})
-    assert unknown.dead_letter is not None and "unknown command 'inventory.nope'" in unknown.dead_letter.error
+    assert (
+        unknown.dead_letter is not None
+        and "unknown command 'inventory.nope'" in unknown.dead_letter.error
+    )
     assert [d.subject for d in h.dead_letters] == [
         "failed.cmd.default.test.inventory.create", "failed.cmd.default.test.inventory.nope",
     ]  # fmt: skip

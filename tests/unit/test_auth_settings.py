@@ -56,7 +56,10 @@ def test_a_bad_value_is_refused_by_the_settings_and_the_spark_options_alike(
     assert str(by_settings.value).startswith(f"{setting}: expected ")
     assert str(by_spark.value).startswith(f"jetstream: {option}: expected ")
     # the same rule, said the same way after the name
-    assert str(by_spark.value).partition(": expected ")[2] == str(by_settings.value).partition(": expected ")[2]
+    assert (
+        str(by_spark.value).partition(": expected ")[2]
+        == str(by_settings.value).partition(": expected ")[2]
+    )
 
 
 # (settings, Spark options, the name the error starts with): settings that go together
@@ -79,6 +82,13 @@ def test_settings_that_go_together_are_checked_alike(
 
 
 def test_the_spark_option_creds_is_named_as_spark_users_write_it() -> None:
-    with pytest.raises(ConfigError, match=r"^jetstream: nkey_seed_file: expected only one of creds, nkey_seed, nkey_seed_file, got creds "):
-        ConnOptions.from_options({"servers": "nats://h:1", "creds": "u.creds", "nkey_seed_file": "s"})
-    assert ConnOptions.from_options({"servers": "nats://h:1", "user": " "}).user is None  # blank: unset
+    with pytest.raises(
+        ConfigError,
+        match=r"^jetstream: nkey_seed_file: expected only one of creds, nkey_seed, nkey_seed_file, got creds ",
+    ):
+        ConnOptions.from_options(
+            {"servers": "nats://h:1", "creds": "u.creds", "nkey_seed_file": "s"}
+        )
+    assert (
+        ConnOptions.from_options({"servers": "nats://h:1", "user": " "}).user is None
+    )  # blank: unset

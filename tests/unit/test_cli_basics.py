@@ -29,7 +29,11 @@ def test_version_and_short_help() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [["publish", "cmd.a.b.c.d", "{oops"], ["no-such-command"], ["ctl", "send", "s", "n", "x", "[1]"]],
+    [
+        ["publish", "cmd.a.b.c.d", "{oops"],
+        ["no-such-command"],
+        ["ctl", "send", "s", "n", "x", "[1]"],
+    ],
 )
 def test_usage_errors_exit_2_with_one_error_line(args: list[str]) -> None:
     done = _meshforge(*args)

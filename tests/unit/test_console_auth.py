@@ -46,12 +46,16 @@ def test_only_loopback_is_served_without_tokens() -> None:
     assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.5", "::", "example.com"))
     check_bind("127.0.0.1", ConsoleTokens())
     check_bind("0.0.0.0", ConsoleTokens(operator="t"))
-    with pytest.raises(ConfigError, match=r"refusing to listen on '0\.0\.0\.0' without authentication"):
+    with pytest.raises(
+        ConfigError, match=r"refusing to listen on '0\.0\.0\.0' without authentication"
+    ):
         check_bind("0.0.0.0", ConsoleTokens())
 
 
 def test_the_command_refuses_a_public_host_without_tokens_before_touching_nats() -> None:
-    out = CliRunner().invoke(app, ["console", "--host", "0.0.0.0", "--nats-url", "nats://127.0.0.1:1"])
+    out = CliRunner().invoke(
+        app, ["console", "--host", "0.0.0.0", "--nats-url", "nats://127.0.0.1:1"]
+    )
     assert out.exit_code != 0
     assert "refusing to listen on '0.0.0.0' without authentication" in str(out.exception)
 

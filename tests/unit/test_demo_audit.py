@@ -14,7 +14,9 @@ def message(seq: int, subject: str, env: Envelope) -> StreamMessage:
 
 def test_an_order_event_stored_twice_is_a_doubled_effect() -> None:
     create = Envelope.new("order.create", {"order_id": "o-1", "sku": "A", "qty": 1})
-    created = message(1, "evt.default.demo.order.created", create.child("order.created", {"order_id": "o-1"}, 0))
+    created = message(
+        1, "evt.default.demo.order.created", create.child("order.created", {"order_id": "o-1"}, 0)
+    )
     reserve = create.child("inventory.reserve", {"order_id": "o-1"}, 1)
     reserved = message(2, "evt.default.demo.inventory.reserved",
                        reserve.child("inventory.reserved", {"order_id": "o-1"}, 0))  # fmt: skip

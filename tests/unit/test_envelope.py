@@ -25,11 +25,15 @@ from meshforge.errors import MalformedMessage
 json_scalars = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=20)
 json_values = st.recursive(
     json_scalars,
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=12,
 )
 payloads = st.dictionaries(st.text(max_size=10), json_values, max_size=5)
-tokens = st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=0x2FFF), min_size=1, max_size=30)
+tokens = st.text(
+    alphabet=st.characters(min_codepoint=33, max_codepoint=0x2FFF), min_size=1, max_size=30
+)
 
 
 @given(payload=payloads, type_=tokens, source=tokens, resource=st.none() | tokens)
@@ -39,7 +43,13 @@ def test_round_trip(payload: dict[str, Any], type_: str, source: str, resource: 
     assert back == env
 
 
-@given(extra=st.dictionaries(st.text(min_size=1, max_size=8).filter(lambda k: k not in Envelope.__dataclass_fields__), json_values, max_size=4))
+@given(
+    extra=st.dictionaries(
+        st.text(min_size=1, max_size=8).filter(lambda k: k not in Envelope.__dataclass_fields__),
+        json_values,
+        max_size=4,
+    )
+)
 def test_unknown_fields_are_kept(extra: dict[str, Any]) -> None:
     env = Envelope.new("a.b", {"x": 1})
     body = {**json.loads(env.encode()), **extra}
@@ -58,7 +68,15 @@ def test_any_bytes_decode_or_raise_malformed(data: bytes) -> None:
 
 
 @settings(max_examples=300)
-@given(obj=st.dictionaries(st.sampled_from(["id", "type", "payload", "ts", "tenant_id", "expected_node_epoch", "deadline_ts", "x"]), json_values, max_size=6))
+@given(
+    obj=st.dictionaries(
+        st.sampled_from(
+            ["id", "type", "payload", "ts", "tenant_id", "expected_node_epoch", "deadline_ts", "x"]
+        ),
+        json_values,
+        max_size=6,
+    )
+)
 def test_any_json_object_decodes_or_raises_malformed(obj: dict[str, Any]) -> None:
     try:
         env = decode(json.dumps(obj).encode())
@@ -96,7 +114,12 @@ def test_headers_win_over_body() -> None:
         H_TRACEPARENT: format_traceparent("a" * 32, "b" * 16),
     }
     back = decode(env.encode(), headers)
-    assert (back.tenant_id, back.key, back.trace_id, back.span_id) == ("hdr-tenant", "k-1", "a" * 32, "b" * 16)
+    assert (back.tenant_id, back.key, back.trace_id, back.span_id) == (
+        "hdr-tenant",
+        "k-1",
+        "a" * 32,
+        "b" * 16,
+    )
 
 
 def test_missing_fields_are_filled_deterministically() -> None:
@@ -143,7 +166,12 @@ def test_headers_match_their_definition(
 ) -> None:
     env = Envelope.new("order.create", {}, trace_id=trace, span_id=span, causation_id=causation,
                        correlation_id=correlation)  # fmt: skip
-    expected = {H_MSG_ID: env.id, H_IDEMPOTENCY: env.key, H_TENANT: env.tenant_id, "Schema-Version": "1.0"}
+    expected = {
+        H_MSG_ID: env.id,
+        H_IDEMPOTENCY: env.key,
+        H_TENANT: env.tenant_id,
+        "Schema-Version": "1.0",
+    }
     if trace and span and parse_traceparent(format_traceparent(trace, span)):
         expected[H_TRACEPARENT] = format_traceparent(trace, span)
     if causation:
@@ -160,11 +188,29 @@ def test_headers_match_their_definition(
     trace=ids,
     ts=st.sampled_from(["", "2026-01-01T00:00:00.000000Z"]),
     tenant=st.sampled_from(["default", "acme"]),
-    subject=st.sampled_from(["evt.default.demo.order.created", "evt.acme.demo.order.created",
-                             "cmd.other.demo.a.b.3", "evt..x.y.z", "custom.subject"]),
+    subject=st.sampled_from(
+        [
+            "evt.default.demo.order.created",
+            "evt.acme.demo.order.created",
+            "cmd.other.demo.a.b.3",
+            "evt..x.y.z",
+            "custom.subject",
+        ]
+    ),
     fields=st.dictionaries(
-        st.sampled_from(["source", "tenant_id", "resource_type", "resource_id", "trace_id", "ts",
-                         "causation_id", "not_before_ts", "extra"]),
+        st.sampled_from(
+            [
+                "source",
+                "tenant_id",
+                "resource_type",
+                "resource_id",
+                "trace_id",
+                "ts",
+                "causation_id",
+                "not_before_ts",
+                "extra",
+            ]
+        ),
         st.none() | tokens | st.sampled_from(["default", "acme"]),
         max_size=4,
     ),
@@ -175,7 +221,9 @@ def test_child_message_is_the_child_sent(
 ) -> None:  # fmt: skip
     if "extra" in fields:
         fields["extra"] = {"x": fields["extra"]}
-    cmd = Envelope.new("order.create", {"sku": "A"}, trace_id=trace, tenant_id=tenant, ts=ts, resource_id="r")
+    cmd = Envelope.new(
+        "order.create", {"sku": "A"}, trace_id=trace, tenant_id=tenant, ts=ts, resource_id="r"
+    )
     expected = Outbound.of(subject, cmd.child("order.created", payload, position, **fields))
     msg_id, data, headers = cmd.child_message(subject, "order.created", payload, position, **fields)
     got = Outbound(subject, data, headers, msg_id)
@@ -183,5 +231,9 @@ def test_child_message_is_the_child_sent(
         assert got == expected
     else:  # the children's ts is the time each was made
         assert json.loads(got.data) | {"ts": ""} == json.loads(expected.data) | {"ts": ""}
-        assert (got.subject, got.headers, got.msg_id) == (expected.subject, expected.headers, expected.msg_id)
+        assert (got.subject, got.headers, got.msg_id) == (
+            expected.subject,
+            expected.headers,
+            expected.msg_id,
+        )
     assert list(got.headers) == list(expected.headers)

@@ -62,58 +62,166 @@ IN_PROGRESS = Decision.in_progress()
 
 TABLE: list[tuple[str, FailurePolicy, Outcome, Decision]] = [
     # a handler's error
-    ("malformed", P, Outcome(Cause.HANDLER, 1, MalformedMessage("x")), dead("malformed", "MalformedMessage: x")),
-    ("unrecoverable", P, Outcome(Cause.HANDLER, 1, Unrecoverable("x")), dead("unrecoverable", "Unrecoverable: x")),
-    ("configured class", P, Outcome(Cause.HANDLER, 1, Poison("x")), dead("unrecoverable", "Poison: x")),
+    (
+        "malformed",
+        P,
+        Outcome(Cause.HANDLER, 1, MalformedMessage("x")),
+        dead("malformed", "MalformedMessage: x"),
+    ),
+    (
+        "unrecoverable",
+        P,
+        Outcome(Cause.HANDLER, 1, Unrecoverable("x")),
+        dead("unrecoverable", "Unrecoverable: x"),
+    ),
+    (
+        "configured class",
+        P,
+        Outcome(Cause.HANDLER, 1, Poison("x")),
+        dead("unrecoverable", "Poison: x"),
+    ),
     ("rejected", P, Outcome(Cause.HANDLER, 1, Rejected("x")), dead("rejected", "Rejected: x")),
     ("expired", P, Outcome(Cause.HANDLER, 1, Expired("x")), dead("expired", "Expired: x")),
-    ("poison on the last attempt", P, Outcome(Cause.HANDLER, 4, Rejected("x")), dead("rejected", "Rejected: x")),
+    (
+        "poison on the last attempt",
+        P,
+        Outcome(Cause.HANDLER, 4, Rejected("x")),
+        dead("rejected", "Rejected: x"),
+    ),
     ("transient, 1st", P, Outcome(Cause.HANDLER, 1, RuntimeError("x")), nak(1.0)),
     ("transient, 3rd", P, Outcome(Cause.HANDLER, 3, RuntimeError("x")), nak(10.0)),
-    ("transient, last", P, Outcome(Cause.HANDLER, 4, RuntimeError("x")), dead("max_deliveries", "RuntimeError: x")),
+    (
+        "transient, last",
+        P,
+        Outcome(Cause.HANDLER, 4, RuntimeError("x")),
+        dead("max_deliveries", "RuntimeError: x"),
+    ),
     ("timeout", P, Outcome(Cause.HANDLER, 2, HandlerTimeout("slow")), nak(5.0)),
-    ("timeout, last", P, Outcome(Cause.HANDLER, 4, HandlerTimeout("slow")), dead("max_deliveries", "HandlerTimeout: slow")),
+    (
+        "timeout, last",
+        P,
+        Outcome(Cause.HANDLER, 4, HandlerTimeout("slow")),
+        dead("max_deliveries", "HandlerTimeout: slow"),
+    ),
     ("retry with a delay", P, Outcome(Cause.HANDLER, 1, Retry(delay=42.0)), nak(42.0)),
     ("retry without one", P, Outcome(Cause.HANDLER, 2, Retry()), nak(5.0)),
-    ("retry, last", P, Outcome(Cause.HANDLER, 4, Retry(delay=1.0)), dead("max_deliveries", "Retry: retry requested")),
+    (
+        "retry, last",
+        P,
+        Outcome(Cause.HANDLER, 4, Retry(delay=1.0)),
+        dead("max_deliveries", "Retry: retry requested"),
+    ),
     ("no client limit", NO_LIMIT, Outcome(Cause.HANDLER, 99, TimeoutError()), nak(None)),
     # the store
     ("store out: disk full", P, Outcome(Cause.STORE, 4, DISK_FULL), IN_PROGRESS),
     ("store locked", P, Outcome(Cause.STORE, 4, LOCKED), nak(STORE_RETRY_DELAY)),
     ("store conflict", P, Outcome(Cause.STORE, 4, CONFLICT), nak(STORE_RETRY_DELAY)),
     ("other workers' conflicts", P, Outcome(Cause.STORE, 4, "conflicts"), nak(STORE_RETRY_DELAY)),
-    ("data it cannot hold", P, Outcome(Cause.STORE, 1, NUL), dead("unrecoverable", "StoreError: text cannot contain NUL")),
+    (
+        "data it cannot hold",
+        P,
+        Outcome(Cause.STORE, 1, NUL),
+        dead("unrecoverable", "StoreError: text cannot contain NUL"),
+    ),
     ("store corrupt", P, Outcome(Cause.STORE, 2, CORRUPT), nak(5.0)),
-    ("store corrupt, last", P, Outcome(Cause.STORE, 4, CORRUPT),
-     dead("max_deliveries", "StoreError: database disk image is malformed")),
+    (
+        "store corrupt, last",
+        P,
+        Outcome(Cause.STORE, 4, CORRUPT),
+        dead("max_deliveries", "StoreError: database disk image is malformed"),
+    ),
     # publishing
-    ("server away", P, Outcome(Cause.PUBLISH, 2, PublishError("gone", kind="connection")), IN_PROGRESS),
-    ("server slow", P, Outcome(Cause.PUBLISH, 2, PublishError("slow", kind="timeout")), IN_PROGRESS),
-    ("server store failing", P, Outcome(Cause.PUBLISH, 2, PublishError("x", kind="store_failed")), IN_PROGRESS),
-    ("publish refused", P, Outcome(Cause.PUBLISH, 2, PublishError("no", kind="permission")), nak(5.0)),
+    (
+        "server away",
+        P,
+        Outcome(Cause.PUBLISH, 2, PublishError("gone", kind="connection")),
+        IN_PROGRESS,
+    ),
+    (
+        "server slow",
+        P,
+        Outcome(Cause.PUBLISH, 2, PublishError("slow", kind="timeout")),
+        IN_PROGRESS,
+    ),
+    (
+        "server store failing",
+        P,
+        Outcome(Cause.PUBLISH, 2, PublishError("x", kind="store_failed")),
+        IN_PROGRESS,
+    ),
+    (
+        "publish refused",
+        P,
+        Outcome(Cause.PUBLISH, 2, PublishError("no", kind="permission")),
+        nak(5.0),
+    ),
     ("outputs not published", P, Outcome(Cause.PUBLISH, 4), nak(10.0)),
-    ("forward failed", P, Outcome(Cause.FORWARD, 1, PublishError("gone", kind="connection")), nak(STORE_RETRY_DELAY)),
+    (
+        "forward failed",
+        P,
+        Outcome(Cause.FORWARD, 1, PublishError("gone", kind="connection")),
+        nak(STORE_RETRY_DELAY),
+    ),
     ("dead letter failed", P, Outcome(Cause.DEAD_LETTER, 2, PublishError("x")), nak(5.0)),
-    ("dead letter failed, no schedule", NO_LIMIT, Outcome(Cause.DEAD_LETTER, 2), nak(DEAD_LETTER_RETRY_DELAY)),
+    (
+        "dead letter failed, no schedule",
+        NO_LIMIT,
+        Outcome(Cause.DEAD_LETTER, 2),
+        nak(DEAD_LETTER_RETRY_DELAY),
+    ),
     # admission
-    ("bad body", P, Outcome(Cause.REFUSED, error="not JSON", reason="malformed"), dead("malformed", "not JSON")),
-    ("bad header", P, Outcome(Cause.REFUSED, error=MalformedMessage("Schema-Version: x"), reason="malformed"),
-     dead("malformed", "MalformedMessage: Schema-Version: x")),
-    ("another tenant", P, Outcome(Cause.REFUSED, error="claims t2", reason="rejected"), dead("rejected", "claims t2")),
-    ("unknown command", P, Outcome(Cause.REFUSED, error="unknown", reason="unrecoverable"),
-     dead("unrecoverable", "unknown")),
-    ("too late", P, Outcome(Cause.REFUSED, error="past its deadline", reason="expired"),
-     dead("expired", "past its deadline")),
+    (
+        "bad body",
+        P,
+        Outcome(Cause.REFUSED, error="not JSON", reason="malformed"),
+        dead("malformed", "not JSON"),
+    ),
+    (
+        "bad header",
+        P,
+        Outcome(Cause.REFUSED, error=MalformedMessage("Schema-Version: x"), reason="malformed"),
+        dead("malformed", "MalformedMessage: Schema-Version: x"),
+    ),
+    (
+        "another tenant",
+        P,
+        Outcome(Cause.REFUSED, error="claims t2", reason="rejected"),
+        dead("rejected", "claims t2"),
+    ),
+    (
+        "unknown command",
+        P,
+        Outcome(Cause.REFUSED, error="unknown", reason="unrecoverable"),
+        dead("unrecoverable", "unknown"),
+    ),
+    (
+        "too late",
+        P,
+        Outcome(Cause.REFUSED, error="past its deadline", reason="expired"),
+        dead("expired", "past its deadline"),
+    ),
     # holds and limits
     ("held", P, Outcome(Cause.HELD, 9, delay=0.7), nak(0.7)),
     ("behind a failure with the backoff", P, Outcome(Cause.HELD, 2), nak(5.0)),
     ("stop not stored", P, Outcome(Cause.STOP_FAILED, 4, DISK_FULL), nak(STORE_RETRY_DELAY)),
-    ("exhausted", P, Outcome(Cause.EXHAUSTED, 5), dead("max_deliveries", "attempted 5 times; the limit is 4")),
-    ("nak on the last delivery", P, Outcome(Cause.LAST_NAK, 4), dead("max_deliveries", "nak on the last delivery")),
+    (
+        "exhausted",
+        P,
+        Outcome(Cause.EXHAUSTED, 5),
+        dead("max_deliveries", "attempted 5 times; the limit is 4"),
+    ),
+    (
+        "nak on the last delivery",
+        P,
+        Outcome(Cause.LAST_NAK, 4),
+        dead("max_deliveries", "nak on the last delivery"),
+    ),
 ]
 
 
-@pytest.mark.parametrize(("policy", "outcome", "expected"), [row[1:] for row in TABLE], ids=[row[0] for row in TABLE])
+@pytest.mark.parametrize(
+    ("policy", "outcome", "expected"), [row[1:] for row in TABLE], ids=[row[0] for row in TABLE]
+)
 def test_the_table(policy: FailurePolicy, outcome: Outcome, expected: Decision) -> None:
     assert policy.decide(outcome) == expected
 
@@ -128,7 +236,9 @@ def test_a_refusal_names_a_reason_of_the_contract() -> None:
 
 
 @pytest.mark.parametrize(
-    ("attempt", "past"), [(1, False), (4, False), (5, True)], ids=["first", "last", "after the last"]
+    ("attempt", "past"),
+    [(1, False), (4, False), (5, True)],
+    ids=["first", "last", "after the last"],
 )
 def test_past_the_limit(attempt: int, past: bool) -> None:
     assert P.past_limit(attempt) is past
@@ -203,15 +313,19 @@ def test_properties(policy: FailurePolicy, outcome: Outcome) -> None:
         retry_asked = outcome.cause is Cause.HANDLER and isinstance(outcome.error, Retry)
         if not retry_asked and outcome.cause is not Cause.HELD:
             # never longer than the schedule's longest entry, or the fixed soon-again delays
-            assert decision.delay <= max([*policy.backoff, STORE_RETRY_DELAY, DEAD_LETTER_RETRY_DELAY])
+            assert decision.delay <= max(
+                [*policy.backoff, STORE_RETRY_DELAY, DEAD_LETTER_RETRY_DELAY]
+            )
             if outcome.cause in (Cause.HANDLER, Cause.PUBLISH):
                 assert decision.delay in policy.backoff
     if decision.action is Action.DEAD_LETTER:
         assert decision.reason in REASONS
         assert decision.error
     # "invalid" is data the store can never hold, whatever retriable says: never transient
-    transient = isinstance(outcome.error, StoreError) and outcome.error.kind != "invalid" and (
-        outcome.error.retriable or outcome.error.kind == "unavailable"
+    transient = (
+        isinstance(outcome.error, StoreError)
+        and outcome.error.kind != "invalid"
+        and (outcome.error.retriable or outcome.error.kind == "unavailable")
     )
     if outcome.cause is Cause.STORE and transient:
         assert decision.action is not Action.DEAD_LETTER
@@ -220,6 +334,8 @@ def test_properties(policy: FailurePolicy, outcome: Outcome) -> None:
 
 
 @given(_policies, st.integers(1, 50), st.text(max_size=10), st.sampled_from(REASONS))
-def test_a_refusal_keeps_its_reason(policy: FailurePolicy, attempt: int, error: str, reason: str) -> None:
+def test_a_refusal_keeps_its_reason(
+    policy: FailurePolicy, attempt: int, error: str, reason: str
+) -> None:
     decision = policy.decide(Outcome(Cause.REFUSED, attempt, error, reason=reason))
     assert (decision.action, decision.reason) == (Action.DEAD_LETTER, reason)

@@ -35,7 +35,9 @@ def test_typical_headers_parse_as_nats_py_parses_them() -> None:
         b"caf\xc3\xa9: y\r\nNo-Colon\r\nEmpty:\r\nUtf8: \xc3\xa9t\xc3\xa9\r\nBroken: \xff\r\n\r\n"
     )
     assert parse_header_lines(raw) == nats_parse(raw)
-    assert parse_header_lines(raw)["Tenant-Id"] == "acme" and "Bad Name" not in parse_header_lines(raw)
+    assert parse_header_lines(raw)["Tenant-Id"] == "acme" and "Bad Name" not in parse_header_lines(
+        raw
+    )
 
 
 @settings(max_examples=400, deadline=None)
@@ -51,7 +53,12 @@ def test_any_header_block_parses_as_nats_py_parses_it(pieces: list[bytes]) -> No
 def spark_reads(block: bytes) -> dict[str, str] | None:
     """What the Spark data source makes of a stored block (``STREAM.MSG.GET``'s ``hdrs``)."""
     chunk = Chunk()
-    message = {"subject": "s", "seq": 1, "time": "2026-11-27T00:00:00Z", "hdrs": base64.b64encode(block).decode()}
+    message = {
+        "subject": "s",
+        "seq": 1,
+        "time": "2026-11-27T00:00:00Z",
+        "hdrs": base64.b64encode(block).decode(),
+    }
     _add(chunk, message)
     return chunk.headers[0]
 
@@ -67,8 +74,12 @@ def nats_py_reads(block: bytes) -> dict[str, str] | None:
     return result
 
 
-@pytest.mark.parametrize(("block", "expected"), [row[1:] for row in HOSTILE], ids=[row[0] for row in HOSTILE])
-def test_every_reader_parses_a_hostile_block_the_same_way(block: bytes, expected: dict[str, str] | None) -> None:
+@pytest.mark.parametrize(
+    ("block", "expected"), [row[1:] for row in HOSTILE], ids=[row[0] for row in HOSTILE]
+)
+def test_every_reader_parses_a_hostile_block_the_same_way(
+    block: bytes, expected: dict[str, str] | None
+) -> None:
     assert parse_header_block(block) == expected
     assert spark_reads(block) == expected
     assert runtime_reads(block) == expected
@@ -77,10 +88,14 @@ def test_every_reader_parses_a_hostile_block_the_same_way(block: bytes, expected
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.sampled_from([b"NATS/1.0\r\n", b"NATS/1.0 ", b"NATS/1.0 404", b"NATS/1.0 100 Idle\r\n", b"NATS/1.0x"]),
+    st.sampled_from(
+        [b"NATS/1.0\r\n", b"NATS/1.0 ", b"NATS/1.0 404", b"NATS/1.0 100 Idle\r\n", b"NATS/1.0x"]
+    ),
     st.lists(st.one_of(_PIECES, st.binary(max_size=6)), max_size=20),
 )
-def test_any_block_parses_as_nats_py_parses_it_and_never_raises(head: bytes, pieces: list[bytes]) -> None:
+def test_any_block_parses_as_nats_py_parses_it_and_never_raises(
+    head: bytes, pieces: list[bytes]
+) -> None:
     block = head + b"".join(pieces)
     ours = parse_header_block(block)
     try:

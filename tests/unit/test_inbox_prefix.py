@@ -11,13 +11,21 @@ from meshforge.transport.credentials import nats_auth_options, url_user, user_in
 
 
 def test_the_prefix_comes_from_the_user_or_the_setting() -> None:
-    assert nats_auth_options(AuthSettings(user="acme-pub", password="x"))["inbox_prefix"] == "_INBOX_acme-pub"
-    assert nats_auth_options(AuthSettings(user="a.b c*", password="x"))["inbox_prefix"] == "_INBOX_a_b_c_"
+    assert (
+        nats_auth_options(AuthSettings(user="acme-pub", password="x"))["inbox_prefix"]
+        == "_INBOX_acme-pub"
+    )
+    assert (
+        nats_auth_options(AuthSettings(user="a.b c*", password="x"))["inbox_prefix"]
+        == "_INBOX_a_b_c_"
+    )
     explicit = load_settings({"user": "u", "password": "p", "inbox_prefix": "_INBOX_team"}, env={})
     assert nats_auth_options(explicit)["inbox_prefix"] == "_INBOX_team"
     env = load_settings(env={"MESHFORGE_INBOX_PREFIX": "replies.acme"})
     assert nats_auth_options(env)["inbox_prefix"] == "replies.acme"
-    assert "inbox_prefix" not in nats_auth_options(AuthSettings(token="t"))  # the URL's user, else _INBOX
+    assert "inbox_prefix" not in nats_auth_options(
+        AuthSettings(token="t")
+    )  # the URL's user, else _INBOX
     assert user_inbox_prefix(None) == "_INBOX"
 
 

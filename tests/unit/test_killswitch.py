@@ -12,7 +12,9 @@ from meshforge.ops.observability import Metrics
 from meshforge.runtime.killswitch import KillSwitch, is_outage
 from polling import wait_until
 
-DISK_FULL = StoreError("sqlite store: OperationalError: database or disk is full", kind="unavailable", retriable=True)
+DISK_FULL = StoreError(
+    "sqlite store: OperationalError: database or disk is full", kind="unavailable", retriable=True
+)
 
 
 def gauge(metrics: Metrics, cause: str) -> float:
@@ -21,7 +23,9 @@ def gauge(metrics: Metrics, cause: str) -> float:
     return value
 
 
-async def test_open_and_close_say_one_line_each_and_set_the_gauge(caplog: pytest.LogCaptureFixture) -> None:
+async def test_open_and_close_say_one_line_each_and_set_the_gauge(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, logger="meshforge.killswitch")
     metrics = Metrics()
     switch = KillSwitch(metrics)
@@ -41,11 +45,15 @@ async def test_open_and_close_say_one_line_each_and_set_the_gauge(caplog: pytest
         ("ERROR", "kill switch open"), ("ERROR", "kill switch closed"),
     ]  # fmt: skip
     assert "database or disk is full" in caplog.records[0].getMessage()
-    trips = metrics.registry.get_sample_value("meshforge_kill_switch_trips_total", {"cause": "store"})
+    trips = metrics.registry.get_sample_value(
+        "meshforge_kill_switch_trips_total", {"cause": "store"}
+    )
     assert trips == 1
 
 
-async def test_a_long_outage_is_recalled_at_most_once_a_period(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_long_outage_is_recalled_at_most_once_a_period(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, logger="meshforge.killswitch")
     switch = KillSwitch(Metrics(), remind_every=0.2)
     switch.open("store", DISK_FULL)

@@ -27,7 +27,9 @@ PARSER_STATE = ["AWAITING_CONTROL_LINE", "AWAITING_MSG_PAYLOAD", "MSG_RE", "HMSG
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_client_methods_keep_their_parameters(name: str) -> None:
     method = getattr(Client, name, None)
-    assert method is not None, f"nats-py's Client has no {name} any more: see meshforge.transport.connection"
+    assert method is not None, (
+        f"nats-py's Client has no {name} any more: see meshforge.transport.connection"
+    )
     params = list(inspect.signature(method).parameters)
     assert params[: len(METHODS[name])] == METHODS[name], f"nats-py's Client.{name}{params} moved"
 
@@ -40,5 +42,7 @@ def test_client_attributes_are_still_set() -> None:
 
 def test_parser_states_and_patterns_are_still_there() -> None:
     for name in PARSER_STATE:
-        assert hasattr(parser, name), f"nats.protocol.parser.{name} is gone: see meshforge.transport.connection._Parser"
+        assert hasattr(parser, name), (
+            f"nats.protocol.parser.{name} is gone: see meshforge.transport.connection._Parser"
+        )
     assert list(inspect.signature(parser.Parser.parse).parameters) == ["self", "data"]

@@ -154,7 +154,11 @@ async def test_http_endpoint_serves_health_readiness_and_metrics() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.sampled_from([0.0, 0.001, 0.0011, 0.5, 60.0, 61.0]) | st.floats(0, 100), max_size=40))
+@given(
+    st.lists(
+        st.sampled_from([0.0, 0.001, 0.0011, 0.5, 60.0, 61.0]) | st.floats(0, 100), max_size=40
+    )
+)
 def test_observe_many_records_what_observing_each_records(amounts: list[float]) -> None:
     one, many = Metrics(), Metrics()
     child = one.end_to_end_seconds.labels(consumer="c")

@@ -40,13 +40,17 @@ class Recorder:
         self.events: list[tuple[Any, ...]] = []
         self.direct = direct
 
-    def _deliver_now(self, sid: int, subject: bytes, reply: bytes, data: bytes, hdr: bytes | None) -> bool:
+    def _deliver_now(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, hdr: bytes | None
+    ) -> bool:
         if self.direct and sid == 2:
             self.events.append(("msg", sid, bytes(subject), bytes(reply), data, hdr))
             return True
         return False
 
-    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, hdr: bytes | None) -> None:
+    async def _process_msg(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, hdr: bytes | None
+    ) -> None:
         self.events.append(("msg", sid, bytes(subject), bytes(reply), data, hdr))
 
     async def _process_ping(self) -> None:
@@ -81,7 +85,9 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
     st.lists(st.integers(min_value=0, max_value=10_000), max_size=8),
     st.booleans(),
 )
-def test_same_calls_as_nats_py_for_any_split(ops: list[bytes], cuts: list[int], direct: bool) -> None:
+def test_same_calls_as_nats_py_for_any_split(
+    ops: list[bytes], cuts: list[int], direct: bool
+) -> None:
     data = b"".join(ops)
     ours, theirs = Recorder(direct), Recorder(direct)
     quick, reference = _Parser(ours), Parser(theirs)

@@ -58,13 +58,25 @@ def test_partition_key_is_the_resource_id_else_the_id() -> None:
 
 
 def test_partition_subject_leaves_events_and_partitioned_subjects_alone() -> None:
-    assert partition_subject("evt.default.demo.order.created", "k", 4) == "evt.default.demo.order.created"
-    assert partition_subject("cmd.default.demo.order.create.1", "order-7", 4) == "cmd.default.demo.order.create.1"
-    assert partition_subject("cmd.default.demo.order.create", "order-7", 0) == "cmd.default.demo.order.create"
+    assert (
+        partition_subject("evt.default.demo.order.created", "k", 4)
+        == "evt.default.demo.order.created"
+    )
+    assert (
+        partition_subject("cmd.default.demo.order.create.1", "order-7", 4)
+        == "cmd.default.demo.order.create.1"
+    )
+    assert (
+        partition_subject("cmd.default.demo.order.create", "order-7", 0)
+        == "cmd.default.demo.order.create"
+    )
 
 
 def test_command_parts_and_scope_of_six_token_subjects() -> None:
-    assert partitioned_command_subject("acme", "shop", "order", "create", 12) == "cmd.acme.shop.order.create.12"
+    assert (
+        partitioned_command_subject("acme", "shop", "order", "create", 12)
+        == "cmd.acme.shop.order.create.12"
+    )
     with pytest.raises(InvalidSubject, match="invalid partition"):
         partitioned_command_subject("acme", "shop", "order", "create", -1)
     assert command_parts("cmd.acme.shop.order.create.12") == ("acme", "shop", "order", "create", 12)
@@ -95,7 +107,9 @@ def test_partitions_setting() -> None:
     assert load_settings(env={}).partitions == 0
     settings = load_settings(env={"MESHFORGE_PARTITIONS": "8", "MESHFORGE_PARTITION_LEASE": "3s"})
     assert (settings.partitions, settings.partition_lease) == (8, 3.0)
-    with pytest.raises(ConfigError, match="MESHFORGE_PARTITIONS: expected an integer from 0 to 1024"):
+    with pytest.raises(
+        ConfigError, match="MESHFORGE_PARTITIONS: expected an integer from 0 to 1024"
+    ):
         load_settings(env={"MESHFORGE_PARTITIONS": "-1"})
 
 
@@ -112,16 +126,22 @@ def test_sends_to_a_partitioned_agent_carry_the_partition_of_their_resource() ->
         Send("order", "create", {"x": 1}, resource_id="order-7"),
         Send("order", "create", {"x": 2}),
     ]
-    _, stored, _ = build_outputs(Pinger(), cmd, "p", "cmd.acme.shop.pinger.ping.2", outputs, None, 4)
+    _, stored, _ = build_outputs(
+        Pinger(), cmd, "p", "cmd.acme.shop.pinger.ping.2", outputs, None, 4
+    )
     assert stored[0].subject == "evt.acme.shop.pinger.pinged"  # events keep five tokens
     assert stored[1].subject == "cmd.acme.shop.order.create.3"
     no_resource = decode(stored[2].data, stored[2].headers)
     assert stored[2].subject == f"cmd.acme.shop.order.create.{partition_of(no_resource.id, 4)}"
-    _, unpartitioned, _ = build_outputs(Pinger(), cmd, "p", "cmd.acme.shop.pinger.ping", outputs, None)
+    _, unpartitioned, _ = build_outputs(
+        Pinger(), cmd, "p", "cmd.acme.shop.pinger.ping", outputs, None
+    )
     assert unpartitioned[1].subject == "cmd.acme.shop.order.create"
 
 
 def test_a_partitioned_subject_names_the_command_not_the_partition() -> None:
-    env = build_envelope("cmd.default.demo.order.create.3", '{"sku": "A-1"}', key=None, source="cli")
+    env = build_envelope(
+        "cmd.default.demo.order.create.3", '{"sku": "A-1"}', key=None, source="cli"
+    )
     assert env.type == "order.create" and env.tenant_id == "default"
     assert envelope_for("cmd.default.demo.order.create.3", {}).type == "order.create"

@@ -19,17 +19,29 @@ def test_tenant_narrows_what_an_agent_and_a_publisher_may_publish() -> None:
     assert not any(s in agent.publish for s in ("cmd.>", "evt.>", "failed.>"))
     assert "$JS.API.INFO" in agent.publish and agent.subscribe == ()
     assert role_grant("publisher", tenant="acme").publish == ("$JS.API.INFO", "cmd.acme.>")
-    assert role_grant("publisher", subjects=["evt.acme.>"]).publish == ("$JS.API.INFO", "evt.acme.>")
-    assert role_grant("publisher", subjects=["cmd.acme.shop.>"]).publish == ("$JS.API.INFO", "cmd.acme.shop.>")
+    assert role_grant("publisher", subjects=["evt.acme.>"]).publish == (
+        "$JS.API.INFO",
+        "evt.acme.>",
+    )
+    assert role_grant("publisher", subjects=["cmd.acme.shop.>"]).publish == (
+        "$JS.API.INFO",
+        "cmd.acme.shop.>",
+    )
 
 
 def test_a_partitioned_agent_pulls_and_unpins_its_partition_durables_only() -> None:
     grant = role_grant("agent", Settings(partitions=2), agents=["order"], tenant="acme")
-    durables = ["order_consumer_acme_all_p0", "order_consumer_acme_all_p1", "order_consumer_acme_all_unpartitioned"]
+    durables = [
+        "order_consumer_acme_all_p0",
+        "order_consumer_acme_all_p1",
+        "order_consumer_acme_all_unpartitioned",
+    ]
     for durable in durables:
         assert f"$JS.API.CONSUMER.MSG.NEXT.MESHFORGE_COMMANDS.{durable}" in grant.publish
         assert f"$JS.API.CONSUMER.UNPIN.MESHFORGE_COMMANDS.{durable}" in grant.publish
-    assert not any(s.endswith(".order_consumer_acme_all") for s in grant.publish)  # not the plain durable
+    assert not any(
+        s.endswith(".order_consumer_acme_all") for s in grant.publish
+    )  # not the plain durable
     assert "$KV.MESHFORGE_PARTITIONS.lease.order_consumer_acme_all.*" in grant.publish
     assert not any("UNPIN" in s for s in role_grant("agent", Settings(), agents=["order"]).publish)
 
@@ -61,7 +73,11 @@ def test_missing_or_bad_options_are_one_line(args: list[str], message: str) -> N
 
 def test_unknown_role_is_a_usage_error() -> None:
     result = CliRunner().invoke(app, ["permissions", "root"])
-    assert result.exit_code == 2 and "unknown role 'root'; roles: admin, agent, node, publisher, spark, leaf" in result.output
+    assert (
+        result.exit_code == 2
+        and "unknown role 'root'; roles: admin, agent, node, publisher, spark, leaf"
+        in result.output
+    )
 
 
 def test_each_user_subscribes_to_its_own_reply_inbox_only() -> None:
@@ -72,7 +88,9 @@ def test_each_user_subscribes_to_its_own_reply_inbox_only() -> None:
     assert '"_INBOX.>"' not in result.output
     for role in ("admin", "agent", "node", "publisher", "spark"):
         assert f'"_INBOX_meshforge-{role}.>"' in result.output
-    pub = CliRunner().invoke(app, ["permissions", "publisher", "--user", "acme.pub", "--tenant", "acme"])
+    pub = CliRunner().invoke(
+        app, ["permissions", "publisher", "--user", "acme.pub", "--tenant", "acme"]
+    )
     assert '"_INBOX_acme_pub.>"' in pub.output and "evt." not in pub.output
     own = CliRunner().invoke(app, ["permissions", "spark", "--inbox-prefix", "_INBOX_pipeline"])
     assert '"_INBOX_pipeline.>"' in own.output and "_INBOX_meshforge" not in own.output
@@ -80,7 +98,9 @@ def test_each_user_subscribes_to_its_own_reply_inbox_only() -> None:
 
 def test_two_users_sharing_a_reply_inbox_or_a_bad_prefix_are_refused() -> None:
     grant = role_grant("publisher")
-    with pytest.raises(ConfigError, match=re.escape("'a.b' and 'a_b' would share the reply inbox '_INBOX_a_b.>'")):
+    with pytest.raises(
+        ConfigError, match=re.escape("'a.b' and 'a_b' would share the reply inbox '_INBOX_a_b.>'")
+    ):
         authorization_block([User("a.b", grant), User("a_b", grant)])
     with pytest.raises(ConfigError, match="inbox prefix of 'x'"):
         authorization_block([User("x", grant, inbox_prefix="_INBOX.*")])

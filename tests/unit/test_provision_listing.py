@@ -32,7 +32,9 @@ class Listing:
 
 
 @pytest.mark.parametrize("with_total", [True, False])
-async def test_an_entry_left_out_of_the_page_does_not_make_the_listing_loop(with_total: bool) -> None:
+async def test_an_entry_left_out_of_the_page_does_not_make_the_listing_loop(
+    with_total: bool,
+) -> None:
     listing = Listing([("inventory", True), ("order", False), ("shipping", True)])
     fetch = listing.fetch if with_total else listing.fetch_without_total
     assert sorted(set(await _list_all(fetch))) == ["inventory", "shipping"]

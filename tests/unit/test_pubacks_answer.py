@@ -10,13 +10,22 @@ from nats.js.api import PubAck
 
 from meshforge.transport.pubacks import _answer
 
-streams = st.sampled_from(["S", "MESHFORGE_EVENTS", "a-b_c", 'q"uote', "back\\slash", "é"]) | st.text(max_size=8)
-extras = st.sampled_from(["", ',"duplicate": true', ',"duplicate":true', ',"duplicate":false', ',"domain":"d"'])
+streams = st.sampled_from(
+    ["S", "MESHFORGE_EVENTS", "a-b_c", 'q"uote', "back\\slash", "é"]
+) | st.text(max_size=8)
+extras = st.sampled_from(
+    ["", ',"duplicate": true', ',"duplicate":true', ',"duplicate":false', ',"domain":"d"']
+)
 
 
 def reference(data: bytes) -> PubAck:
     resp = json.loads(data)
-    return PubAck(stream=resp["stream"], seq=resp["seq"], domain=resp.get("domain"), duplicate=resp.get("duplicate"))
+    return PubAck(
+        stream=resp["stream"],
+        seq=resp["seq"],
+        domain=resp.get("domain"),
+        duplicate=resp.get("duplicate"),
+    )
 
 
 @settings(max_examples=300, deadline=None)

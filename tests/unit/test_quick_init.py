@@ -48,11 +48,15 @@ def test_a_record_is_what_a_plain_dataclass_would_be(cls: type, values: tuple[An
     twin = _twin(cls)
     assert str(inspect.signature(cls)) == str(inspect.signature(twin))
     by_position, by_name = cls(*values), cls(**dict(zip(names, values, strict=True)))
-    assert by_position == by_name and dataclasses.astuple(by_position) == dataclasses.astuple(twin(*values))
+    assert by_position == by_name and dataclasses.astuple(by_position) == dataclasses.astuple(
+        twin(*values)
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(by_position, names[0], values[0])
     assert dataclasses.replace(by_position, **{names[0]: values[0]}) == by_position
-    required = [f for f in dataclasses.fields(cls) if f.default is f.default_factory is dataclasses.MISSING]
+    required = [
+        f for f in dataclasses.fields(cls) if f.default is f.default_factory is dataclasses.MISSING
+    ]
     with pytest.raises(TypeError, match="missing"):
         cls(*values[: len(required) - 1])
     with pytest.raises(TypeError):

@@ -64,7 +64,12 @@ def test_long_headers_are_dropped_longest_first_and_kept_ones_never() -> None:
         "Nats-Msg-Id": "n" * 10_000,
     }
     fitted = fit_message(
-        SUBJECT, b"{}", headers, SizeLimits(), mark="Dlq-Truncated", keep={"dlq-reason", "Nats-Msg-Id"}
+        SUBJECT,
+        b"{}",
+        headers,
+        SizeLimits(),
+        mark="Dlq-Truncated",
+        keep={"dlq-reason", "Nats-Msg-Id"},
     )
     assert "X-Big" not in fitted.headers and fitted.headers["X-Mid"] == "m" * 6_000
     assert fitted.headers["Nats-Msg-Id"] == "n" * 10_000 and fitted.data == b"{}"

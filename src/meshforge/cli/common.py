@@ -31,6 +31,7 @@ def console() -> Console:
     wide = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
     return Console(width=PIPED_WIDTH if wide else None)
 
+
 NatsUrl = Annotated[
     str | None,
     typer.Option(
@@ -165,7 +166,9 @@ def nats_target(url: str | None, home: Path = HOME) -> Iterator[str]:
         return
     home.mkdir(parents=True, exist_ok=True)
     with embedded_server(home) as server:
-        typer.secho(f"embedded nats-server at {server.url} (data in {home}/nats)", err=True, dim=True)
+        typer.secho(
+            f"embedded nats-server at {server.url} (data in {home}/nats)", err=True, dim=True
+        )
         yield server.url
 
 

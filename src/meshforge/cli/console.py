@@ -32,7 +32,9 @@ def bind(host: str, port: int | None) -> socket.socket:
                 continue
             from meshforge.errors import ConfigError
 
-            raise ConfigError(f"console: cannot listen on {host}:{wanted}: {exc.strerror}") from None
+            raise ConfigError(
+                f"console: cannot listen on {host}:{wanted}: {exc.strerror}"
+            ) from None
         sock.listen(128)
         sock.set_inheritable(True)
         return sock
@@ -92,7 +94,9 @@ def console(
     configure_logging(settings.log_level, settings.log_json)
     with nats_target(settings.nats_url) as url:
         sock = bind(host, port)
-        app = create_app(settings, nats_url=url, tokens=tokens, reports=reports, https_only=https_only)
+        app = create_app(
+            settings, nats_url=url, tokens=tokens, reports=reports, https_only=https_only
+        )
         shown = f"[{host.strip('[]')}]" if ":" in host else host
         typer.echo(f"meshforge console at http://{shown}:{sock.getsockname()[1]}/", err=False)
         if not tokens.configured:

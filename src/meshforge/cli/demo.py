@@ -45,12 +45,19 @@ def register(app: typer.Typer) -> None:
 
 
 def demo(
-    orders: Annotated[int, typer.Option("--orders", min=1, help="Orders sent under load.")] = 10_000,
+    orders: Annotated[
+        int, typer.Option("--orders", min=1, help="Orders sent under load.")
+    ] = 10_000,
     kill_at: Annotated[
-        float, typer.Option("--kill-at", min=0.01, max=0.99, help="Kill the order agent at this share.")
+        float,
+        typer.Option("--kill-at", min=0.01, max=0.99, help="Kill the order agent at this share."),
     ] = 0.3,
-    timeout: Annotated[float, typer.Option("--timeout", min=5, help="Seconds to wait for processing.")] = 240.0,
-    report: Annotated[bool, typer.Option("--report/--no-report", help="End with the Spark ingest and audit.")] = True,
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=5, help="Seconds to wait for processing.")
+    ] = 240.0,
+    report: Annotated[
+        bool, typer.Option("--report/--no-report", help="End with the Spark ingest and audit.")
+    ] = True,
     nats_url: NatsUrl = None,
     fleet: Annotated[
         bool,
@@ -60,7 +67,9 @@ def demo(
             "20 nodes, a rollout through a cut link, a cancel.",
         ),
     ] = False,
-    fleet_nodes: Annotated[int, typer.Option("--fleet-nodes", min=2, max=100, help="Nodes per site (--fleet).")] = 10,
+    fleet_nodes: Annotated[
+        int, typer.Option("--fleet-nodes", min=2, max=100, help="Nodes per site (--fleet).")
+    ] = 10,
 ) -> None:
     """Run the whole story: provision, agents, smoke test, load with a SIGKILL, audit, replay."""
     if fleet:
@@ -160,7 +169,13 @@ class _Load:
 
 
 async def _story(
-    console: Console, url: str, store_url: str, work: Path, orders: int, kill_at: float, patience: float
+    console: Console,
+    url: str,
+    store_url: str,
+    work: Path,
+    orders: int,
+    kill_at: float,
+    patience: float,
 ) -> bool:
     from meshforge.cli.demo_support import AgentProcess, EventWatch
     from meshforge.config import load_settings
@@ -223,7 +238,9 @@ async def _smoke(console: Console, conn: Connection, watch: EventWatch, run: str
     say = console.print
     say("\n[bold]--- Step 1: Create Order (Command) ---")
     key = str(uuid.uuid4())
-    create = Envelope.new("order.create", {"sku": sku, "qty": 2}, source="demo", idempotency_key=key)
+    create = Envelope.new(
+        "order.create", {"sku": sku, "qty": 2}, source="demo", idempotency_key=key
+    )
     say(f"Publishing to {PREFIX}.order.create (ID={create.id}, Key={key})...")
     await Publisher(conn.js).publish(f"{PREFIX}.order.create", create)
     created = await watch.wait_for(_caused_by(create, "order.created"), 60)
@@ -236,7 +253,9 @@ async def _smoke(console: Console, conn: Connection, watch: EventWatch, run: str
     get = await _send(conn, "order.get", {"order_id": order_id})
     found = await watch.wait_for(_caused_by(get, "order.found"), 30)
     order = found.payload["order"]
-    say(f"Received Event: evt.default.demo.order.found (sku={order['sku']}, qty={order['qty']}, status={order['status']})")
+    say(
+        f"Received Event: evt.default.demo.order.found (sku={order['sku']}, qty={order['qty']}, status={order['status']})"
+    )
     say("✅ Order State Verified via Bus.")
 
     say("\n[bold]--- Step 3: Idempotency Test (Exactly-Once) ---")
@@ -244,7 +263,9 @@ async def _smoke(console: Console, conn: Connection, watch: EventWatch, run: str
     mark = len(watch.seen)
     again = create.with_(id=str(uuid.uuid4()))
     await Publisher(conn.js).publish(f"{PREFIX}.order.create", again)
-    echoed = await watch.wait_for(lambda e: e.type == "order.created" and e.id == created.id, 30, after=mark)
+    echoed = await watch.wait_for(
+        lambda e: e.type == "order.created" and e.id == created.id, 30, after=mark
+    )
     say(f"Received Event: evt.default.demo.order.created (ID={echoed.id})")
     say("✅ Idempotency: Event re-received with the same id; no second order.")
 
@@ -259,7 +280,9 @@ async def _smoke(console: Console, conn: Connection, watch: EventWatch, run: str
     say("Received Event: evt.default.demo.inventory.reserved")
     get = await _send(conn, "inventory.get", {"sku": sku})
     level = await watch.wait_for(_caused_by(get, "inventory.found"), 30)
-    say(f"Received Event: evt.default.demo.inventory.found (qty={level.payload['qty']}, reserved={level.payload['reserved']})")
+    say(
+        f"Received Event: evt.default.demo.inventory.found (qty={level.payload['qty']}, reserved={level.payload['reserved']})"
+    )
     say("✅ Inventory Agent verified.")
     say("\n🎉 SMOKE TEST PASSED!")
 
@@ -289,11 +312,19 @@ async def _load(
     def on_event(e: Envelope) -> None:
         if e.type == "order.created" and e.causation_id in load.sent:
             load.created.add(e.payload.get("order_id", ""))
-        elif e.type in ("inventory.reserved", "inventory.rejected") and e.payload.get("order_id") in expected:
+        elif (
+            e.type in ("inventory.reserved", "inventory.rejected")
+            and e.payload.get("order_id") in expected
+        ):
             load.settled.add(e.payload["order_id"])
 
     watch.on_event = on_event
-    columns = (TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description:<26}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     started = time.monotonic()
     with Progress(*columns, console=console) as progress:
         sending = progress.add_task("sending orders", total=orders)
@@ -343,7 +374,10 @@ def effects_seen(
             continue
         if env.type == "order.created" and env.causation_id in sent:
             created[env.causation_id].append(env.id)
-        elif env.type in ("inventory.reserved", "inventory.rejected") and env.payload.get("order_id") in orders:
+        elif (
+            env.type in ("inventory.reserved", "inventory.rejected")
+            and env.payload.get("order_id") in orders
+        ):
             settled[env.payload["order_id"]].append(env.id)
             reserved += env.type == "inventory.reserved"
     return created, settled, reserved
@@ -358,7 +392,9 @@ async def _audit(
     orders = set(load.sent.values())
     created, settled, reserved = effects_seen(events, load.sent)
     lost = (len(load.sent) - len(created)) + (len(orders) - len(settled))
-    doubled = sum(len(ids) - 1 for ids in created.values()) + sum(len(ids) - 1 for ids in settled.values())
+    doubled = sum(len(ids) - 1 for ids in created.values()) + sum(
+        len(ids) - 1 for ids in settled.values()
+    )
     replays = {}
     for name, spec in (("order", ORDER), ("inventory", INVENTORY)):
         out = await asyncio.to_thread(
@@ -366,7 +402,9 @@ async def _audit(
             meshforge_command("replay", spec, "--store", store_url, "--json"),
             capture_output=True, text=True, check=False,
         )  # fmt: skip
-        replays[name] = json.loads(out.stdout) if out.stdout.strip() else {"error": out.stderr.strip()}
+        replays[name] = (
+            json.loads(out.stdout) if out.stdout.strip() else {"error": out.stderr.strip()}
+        )
     consistent = all(r.get("mismatched") == [] for r in replays.values())
 
     table = Table(title="Exactly-once, checked from outside", show_lines=False)
@@ -387,10 +425,15 @@ async def _audit(
         table.add_row(f"{name} state hash (of its events)", f"{r['state_hash'][:16]}…")
         table.add_row(f"{name} snapshot hash, stored", f"{r['stored_hash'][:16]}…")
         same = r["snapshot_hash"] == r["stored_hash"]
-        table.add_row(f"{name} snapshot hash, replayed", f"{r['snapshot_hash'][:16]}… {'✅' if same else '❌'}")
+        table.add_row(
+            f"{name} snapshot hash, replayed",
+            f"{r['snapshot_hash'][:16]}… {'✅' if same else '❌'}",
+        )
     console.print(table)
     ok = lost == 0 and doubled == 0 and consistent
-    console.print("[bold green]nothing lost, nothing doubled" if ok else "[bold red]exactly-once violated")
+    console.print(
+        "[bold green]nothing lost, nothing doubled" if ok else "[bold red]exactly-once violated"
+    )
     return ok
 
 

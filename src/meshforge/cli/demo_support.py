@@ -74,7 +74,13 @@ class AgentProcess:
         if "MESHFORGE_CRASH_AT" not in self.env and "MESHFORGE_CRASH_AT" not in (env or {}):
             full_env.pop("MESHFORGE_CRASH_AT", None)
         args = meshforge_command(
-            "run", *self.specs, "--store", self.store_url, "--nats-url", self.nats_url, *self.extra_args
+            "run",
+            *self.specs,
+            "--store",
+            self.store_url,
+            "--nats-url",
+            self.nats_url,
+            *self.extra_args,
         )
         self._close_log()
         self._log = self.log_path.open("ab")
@@ -170,11 +176,19 @@ async def read_stream(
                 if left == 0:
                     break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"reading {stream} ({subject}) stalled with messages left") from None
+                    raise TimeoutError(
+                        f"reading {stream} ({subject}) stalled with messages left"
+                    ) from None
                 continue
             for m in msgs:
-                out.append(StreamMessage(m.subject, m.metadata.sequence.stream, dict(m.headers or {}), m.data))
-            if msgs and (msgs[-1].metadata.num_pending == 0 or msgs[-1].metadata.sequence.stream >= last):
+                out.append(
+                    StreamMessage(
+                        m.subject, m.metadata.sequence.stream, dict(m.headers or {}), m.data
+                    )
+                )
+            if msgs and (
+                msgs[-1].metadata.num_pending == 0 or msgs[-1].metadata.sequence.stream >= last
+            ):
                 break
     finally:
         with contextlib.suppress(Exception):

@@ -37,6 +37,7 @@ dlq_app = typer.Typer(
     no_args_is_help=True,
 )
 
+
 def _dead_letter_pattern(value: str | None) -> str | None:
     """Dead letters live under ``failed.``: an original subject's pattern is taken as theirs."""
     if value is None:

@@ -104,7 +104,13 @@ def tail(
 
 
 async def _tail(
-    url: str, subject: str, start: Start | None, last: int, count: int | None, follow: bool, as_json: bool
+    url: str,
+    subject: str,
+    start: Start | None,
+    last: int,
+    count: int | None,
+    follow: bool,
+    as_json: bool,
 ) -> None:
     from nats.errors import Error as NatsError
     from nats.errors import TimeoutError as NatsTimeout

@@ -43,17 +43,23 @@ def register(app: typer.Typer) -> None:
 
 
 def init(
-    name: Annotated[str, typer.Argument(metavar="NAME", help="Directory (and project name) to create.")],
+    name: Annotated[
+        str, typer.Argument(metavar="NAME", help="Directory (and project name) to create.")
+    ],
     store: Annotated[
         StoreKind, typer.Option("--store", help="The store the agents keep effects and states in.")
     ] = StoreKind.sqlite,
     profile: Annotated[
         Profile,
-        typer.Option("--profile", help="local: an embedded nats-server; compose: NATS from compose.yaml."),
+        typer.Option(
+            "--profile", help="local: an embedded nats-server; compose: NATS from compose.yaml."
+        ),
     ] = Profile.local,
     spec: Annotated[
         Path | None,
-        typer.Option("--from", metavar="SPEC.yaml", help="Agents, commands and events to generate."),
+        typer.Option(
+            "--from", metavar="SPEC.yaml", help="Agents, commands and events to generate."
+        ),
     ] = None,
 ) -> None:
     """Write a new project in ./NAME: agents, tests, meshforge.toml, compose.yaml, Makefile."""
@@ -75,7 +81,9 @@ def package_name(project: str) -> str:
     if keyword.iskeyword(package) or package in sys.stdlib_module_names or package in (
         "meshforge", "tests", "test",
     ):  # fmt: skip
-        raise ConfigError(f"project name {project!r}: its package {package!r} would shadow a module; choose another")
+        raise ConfigError(
+            f"project name {project!r}: its package {package!r} would shadow a module; choose another"
+        )
     return package
 
 
@@ -100,7 +108,9 @@ def render_project(project: str, spec: ProjectSpec, *, store: str, profile: str)
     package = package_name(project)
     for agent in spec.agents:
         if agent.key in ("status", "version", "data"):
-            raise ConfigError(f"agent {agent.name!r}: key {agent.key!r} is a field of the state; choose another")
+            raise ConfigError(
+                f"agent {agent.name!r}: key {agent.key!r} is a field of the state; choose another"
+            )
     postgres = store == "postgres"
     store_url = (
         f"postgresql://meshforge:meshforge@127.0.0.1:5432/{package}"
@@ -133,7 +143,9 @@ def render_project(project: str, spec: ProjectSpec, *, store: str, profile: str)
         "up_step": f"make up                        # {services} in containers\n"
         if postgres or profile == "compose"
         else "",
-        "embedded_note": "" if profile == "compose" else " (an embedded nats-server starts with them)",
+        "embedded_note": ""
+        if profile == "compose"
+        else " (an embedded nats-server starts with them)",
         "postgres_service": _POSTGRES_SERVICE.format(db=package) if postgres else "",
         "postgres_volume": "  pg-data:\n" if postgres else "",
     }
@@ -164,10 +176,14 @@ _POSTGRES_SERVICE = """  postgres:
 def _agent_module(agent: AgentSpec) -> str:
     handlers = "".join(
         _template("handler.py").substitute(
-            command=c.name, key=agent.key, state=agent.state_name, agent=agent.name,
+            command=c.name,
+            key=agent.key,
+            state=agent.state_name,
+            agent=agent.name,
             event_list=", ".join(f"``{agent.name}.{e}``" for e in c.events),
             events="\n".join(
-                f'            Event("{e}", {{**cmd.payload, "{agent.key}": resource}}),' for e in c.events
+                f'            Event("{e}", {{**cmd.payload, "{agent.key}": resource}}),'
+                for e in c.events
             ),
         )
         for c in agent.commands
@@ -182,9 +198,14 @@ def _agent_tests(agent: AgentSpec, package: str) -> str:
     sample = f"{agent.name}-1"
     units = "".join(
         _template("test_command.py").substitute(
-            command=c.name, key=agent.key, cls=agent.class_name, sample=sample,
-            event_words="_".join(c.events), types=", ".join(f'"{agent.name}.{e}"' for e in c.events),
-            last=c.events[-1], count=len(c.events),
+            command=c.name,
+            key=agent.key,
+            cls=agent.class_name,
+            sample=sample,
+            event_words="_".join(c.events),
+            types=", ".join(f'"{agent.name}.{e}"' for e in c.events),
+            last=c.events[-1],
+            count=len(c.events),
         )
         for c in agent.commands
     )

@@ -91,7 +91,8 @@ def parse_spec(data: Any, label: str = "spec") -> ProjectSpec:
     """The spec from already-parsed YAML (a mapping with ``agents``)."""
     root = _mapping(data, label, {"agents"}, required=("agents",))
     agents = tuple(
-        _agent(item, f"{label}: agents[{i}]") for i, item in enumerate(_list(root["agents"], f"{label}: agents"))
+        _agent(item, f"{label}: agents[{i}]")
+        for i, item in enumerate(_list(root["agents"], f"{label}: agents"))
     )
     _unique([a.name for a in agents], f"{label}: agents", "agent")
     return ProjectSpec(agents)
@@ -102,7 +103,8 @@ def _agent(data: Any, where: str) -> AgentSpec:
     name = _name(item["name"], f"{where}.name")
     key = _name(item.get("key", f"{name}_id"), f"{where}.key")
     commands = tuple(
-        _command(c, f"{where}.commands[{i}]") for i, c in enumerate(_list(item["commands"], f"{where}.commands"))
+        _command(c, f"{where}.commands[{i}]")
+        for i, c in enumerate(_list(item["commands"], f"{where}.commands"))
     )
     _unique([c.name for c in commands], f"{where}.commands", "command")
     return AgentSpec(name, key, commands)
@@ -112,18 +114,27 @@ def _command(data: Any, where: str) -> CommandSpec:
     item = _mapping(data, where, {"name", "events"}, required=("name", "events"))
     name = _name(item["name"], f"{where}.name")
     if name in _RESERVED:
-        raise ConfigError(f"{where}.name: {name!r} is reserved by Agent; choose another command name")
-    events = tuple(_name(e, f"{where}.events[{i}]") for i, e in enumerate(_list(item["events"], f"{where}.events")))
+        raise ConfigError(
+            f"{where}.name: {name!r} is reserved by Agent; choose another command name"
+        )
+    events = tuple(
+        _name(e, f"{where}.events[{i}]")
+        for i, e in enumerate(_list(item["events"], f"{where}.events"))
+    )
     _unique(list(events), f"{where}.events", "event")
     return CommandSpec(name, events)
 
 
 def _mapping(data: Any, where: str, allowed: set[str], required: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping with {', '.join(required)}, got {_kind(data)}")
+        raise ConfigError(
+            f"{where}: expected a mapping with {', '.join(required)}, got {_kind(data)}"
+        )
     unknown = sorted(str(k) for k in set(data) - allowed)
     if unknown:
-        raise ConfigError(f"{where}: unknown field {unknown[0]!r}; known: {', '.join(sorted(allowed))}")
+        raise ConfigError(
+            f"{where}: unknown field {unknown[0]!r}; known: {', '.join(sorted(allowed))}"
+        )
     for name in required:
         if name not in data:
             raise ConfigError(f"{where}: missing {name!r}")

@@ -75,7 +75,11 @@ async def _serve(
     started: list[NodeRuntime] = []
 
     async def health() -> dict[str, Any]:
-        return await started[0].health() if started else {"state": "connecting", "site": site, "node": name}
+        return (
+            await started[0].health()
+            if started
+            else {"state": "connecting", "site": site, "node": name}
+        )
 
     endpoint = None
     if settings.metrics_port is not None:

@@ -20,7 +20,9 @@ def permissions(
     ],
     agent: Annotated[
         list[str] | None,
-        typer.Option("--agent", metavar="NAME", help="agent: the agents the worker runs (repeatable)."),
+        typer.Option(
+            "--agent", metavar="NAME", help="agent: the agents the worker runs (repeatable)."
+        ),
     ] = None,
     tenant: Annotated[
         str | None,
@@ -41,7 +43,8 @@ def permissions(
     stream: Annotated[
         list[str] | None,
         typer.Option(
-            "--stream", help="spark: streams it reads (repeatable; default MESHFORGE_EVENTS, MESHFORGE_FAILED)."
+            "--stream",
+            help="spark: streams it reads (repeatable; default MESHFORGE_EVENTS, MESHFORGE_FAILED).",
         ),
     ] = None,
     subject: Annotated[
@@ -53,7 +56,9 @@ def permissions(
     ] = None,
     write: Annotated[
         list[str] | None,
-        typer.Option("--write", metavar="SUBJECT", help="spark: subjects it publishes to (repeatable)."),
+        typer.Option(
+            "--write", metavar="SUBJECT", help="spark: subjects it publishes to (repeatable)."
+        ),
     ] = None,
     user: Annotated[
         str | None,
@@ -97,7 +102,9 @@ def permissions(
     if leaf and site is None:
         raise ConfigError("permissions leaf: give --site SITE (the site whose leaf link logs in)")
     if user is not None and len(roles) != 1:
-        raise typer.BadParameter("--user names one user: give exactly one ROLE", param_hint="--user")
+        raise typer.BadParameter(
+            "--user names one user: give exactly one ROLE", param_hint="--user"
+        )
     if inbox_prefix is not None and len(roles) != 1:
         raise typer.BadParameter(
             "--inbox-prefix is one user's: give exactly one ROLE", param_hint="--inbox-prefix"
@@ -107,8 +114,15 @@ def permissions(
         User(
             user or f"meshforge-{role}",
             role_grant(
-                role, settings, agents=agent or [], tenant=tenant, namespace=namespace,
-                site=site, nodes=node or [], streams=stream or [], subjects=subject or [],
+                role,
+                settings,
+                agents=agent or [],
+                tenant=tenant,
+                namespace=namespace,
+                site=site,
+                nodes=node or [],
+                streams=stream or [],
+                subjects=subject or [],
                 writes=write or [],
             ),
             inbox_prefix=inbox_prefix,
@@ -118,7 +132,9 @@ def permissions(
     if users:
         typer.echo(authorization_block(users), nl=False)
     if leaf and site is not None:
-        typer.echo("# the hub: put this block inside leafnodes { } (meshforge server --leaf-users FILE)")
+        typer.echo(
+            "# the hub: put this block inside leafnodes { } (meshforge server --leaf-users FILE)"
+        )
         typer.echo(leaf_block([site]), nl=False)
         typer.echo(f"# site {site}: MESHFORGE_LEAF_USER=meshforge-leaf-{site} MESHFORGE_LEAF_PASSWORD=... "
                    f"meshforge server --leaf HUB_URL --domain {site}")  # fmt: skip

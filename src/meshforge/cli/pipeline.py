@@ -29,7 +29,11 @@ _REDACT = r"(?i)secret|password|token|seed|access[.]?key"
 
 Master = Annotated[
     str | None,
-    typer.Option("--master", help="Spark master, e.g. local[2] or spark://host:7077 (default local[*]).", show_default=False),
+    typer.Option(
+        "--master",
+        help="Spark master, e.g. local[2] or spark://host:7077 (default local[*]).",
+        show_default=False,
+    ),
 ]
 Conf = Annotated[
     list[str] | None,
@@ -41,7 +45,11 @@ Output = Annotated[
 
 
 def register(app: typer.Typer) -> None:
-    group = typer.Typer(name="pipeline", help="The Spark data pipeline: ingest, audit, replay.", no_args_is_help=True)
+    group = typer.Typer(
+        name="pipeline",
+        help="The Spark data pipeline: ingest, audit, replay.",
+        no_args_is_help=True,
+    )
     group.command("ingest")(ingest)
     group.command("audit")(audit)
     group.command("replay")(replay)
@@ -121,11 +129,19 @@ def ingest(
     nats_url: NatsUrl = None,
     stream: Annotated[
         list[str] | None,
-        typer.Option("--stream", "-s", help="Stream to land; repeatable (default MESHFORGE_EVENTS and MESHFORGE_FAILED).", show_default=False),
+        typer.Option(
+            "--stream",
+            "-s",
+            help="Stream to land; repeatable (default MESHFORGE_EVENTS and MESHFORGE_FAILED).",
+            show_default=False,
+        ),
     ] = None,
     output: Output = HOME / "pipeline",
     max_per_trigger: Annotated[
-        int | None, typer.Option("--max-per-trigger", help="At most this many messages per micro-batch.", min=1)
+        int | None,
+        typer.Option(
+            "--max-per-trigger", help="At most this many messages per micro-batch.", min=1
+        ),
     ] = None,
     master: Master = None,
     conf: Conf = None,
@@ -154,19 +170,34 @@ def ingest(
                     spark, url, name, target, options=options,
                     max_messages_per_trigger=max_per_trigger, progress=progress,
                 )  # fmt: skip
-            typer.echo(f"{name}: {result.rows} new rows in {result.batches} micro-batches -> {target}")
+            typer.echo(
+                f"{name}: {result.rows} new rows in {result.batches} micro-batches -> {target}"
+            )
 
 
 def audit(
     output: Output = HOME / "pipeline",
-    events: Annotated[Path | None, typer.Option("--events", help="Landed events (default OUTPUT/events).")] = None,
-    failed: Annotated[Path | None, typer.Option("--failed", help="Landed dead letters (default OUTPUT/failed).")] = None,
-    commands: Annotated[Path | None, typer.Option("--commands", help="Landed commands, if any.")] = None,
+    events: Annotated[
+        Path | None, typer.Option("--events", help="Landed events (default OUTPUT/events).")
+    ] = None,
+    failed: Annotated[
+        Path | None, typer.Option("--failed", help="Landed dead letters (default OUTPUT/failed).")
+    ] = None,
+    commands: Annotated[
+        Path | None, typer.Option("--commands", help="Landed commands, if any.")
+    ] = None,
     store: Annotated[
         str | None,
-        typer.Option("--store", envvar="MESHFORGE_STORE_URL", help="The runtime's store URL (default: the local SQLite store if present).", show_default=False),
+        typer.Option(
+            "--store",
+            envvar="MESHFORGE_STORE_URL",
+            help="The runtime's store URL (default: the local SQLite store if present).",
+            show_default=False,
+        ),
     ] = None,
-    report: Annotated[Path | None, typer.Option("--report", help="Report directory (default OUTPUT/report).")] = None,
+    report: Annotated[
+        Path | None, typer.Option("--report", help="Report directory (default OUTPUT/report).")
+    ] = None,
     master: Master = None,
     conf: Conf = None,
 ) -> None:
@@ -225,15 +256,29 @@ def print_summary(findings: dict[str, object]) -> None:
 
 
 def replay(
-    table: Annotated[str, typer.Argument(help="A Parquet table: a path, or a name under OUTPUT (events, failed).")],
+    table: Annotated[
+        str,
+        typer.Argument(help="A Parquet table: a path, or a name under OUTPUT (events, failed)."),
+    ],
     subject: Annotated[
-        str | None, typer.Option("--subject", help="Publish every row here (default: each row's own subject).")
+        str | None,
+        typer.Option("--subject", help="Publish every row here (default: each row's own subject)."),
     ] = None,
     nats_url: NatsUrl = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be published; publish nothing.")] = False,
-    rate: Annotated[float | None, typer.Option("--rate", help="At most this many messages per second.", min=0.001)] = None,
-    where: Annotated[str | None, typer.Option("--where", help="Spark SQL filter, e.g. \"type = 'order.created'\".")] = None,
-    limit: Annotated[int | None, typer.Option("--limit", help="At most this many rows.", min=1)] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show what would be published; publish nothing.")
+    ] = False,
+    rate: Annotated[
+        float | None,
+        typer.Option("--rate", help="At most this many messages per second.", min=0.001),
+    ] = None,
+    where: Annotated[
+        str | None,
+        typer.Option("--where", help="Spark SQL filter, e.g. \"type = 'order.created'\"."),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", help="At most this many rows.", min=1)
+    ] = None,
     output: Output = HOME / "pipeline",
     master: Master = None,
     conf: Conf = None,
@@ -262,7 +307,11 @@ def replay(
         )  # fmt: skip
     if dry_run:
         for item in result.sample:
-            typer.echo(f"would publish {item['subject']} id={item['msg_id']} ({item['bytes']} bytes)")
+            typer.echo(
+                f"would publish {item['subject']} id={item['msg_id']} ({item['bytes']} bytes)"
+            )
         typer.echo(f"dry run: {result.rows} rows would be published")
     else:
-        typer.echo(f"replayed {result.rows} rows: {result.stored} stored, {result.duplicates} duplicates")
+        typer.echo(
+            f"replayed {result.rows} rows: {result.stored} stored, {result.duplicates} duplicates"
+        )

@@ -59,7 +59,9 @@ def provision(
     ] = None,
     namespace: Annotated[
         str | None,
-        typer.Option("--namespace", help="The --agent consumers of workers bound to this namespace."),
+        typer.Option(
+            "--namespace", help="The --agent consumers of workers bound to this namespace."
+        ),
     ] = None,
     site: Annotated[
         str | None, typer.Option("--site", metavar="SITE", help="The site of the --node names.")
@@ -73,7 +75,10 @@ def provision(
     partitions: Annotated[
         int | None,
         typer.Option(
-            "--partitions", metavar="N", min=0, max=1024,
+            "--partitions",
+            metavar="N",
+            min=0,
+            max=1024,
             help="Partition each --agent's commands N ways (env MESHFORGE_PARTITIONS; 0: off).",
         ),
     ] = None,

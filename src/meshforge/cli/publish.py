@@ -141,7 +141,11 @@ def build_envelope(subject: str, text: str, *, key: str | None, source: str) -> 
             "or evt.<tenant>.<ns>.<agent>.<event> subject"
         )
     # A partitioned command's sixth token is its partition, not part of the type.
-    verb = tokens[4] if tokens[0] == "cmd" and len(tokens) == 6 and tokens[5].isdigit() else ".".join(tokens[4:])
+    verb = (
+        tokens[4]
+        if tokens[0] == "cmd" and len(tokens) == 6 and tokens[5].isdigit()
+        else ".".join(tokens[4:])
+    )
     return Envelope.new(
         f"{tokens[3]}.{verb}",
         value,

@@ -38,7 +38,10 @@ def relay(
         int, typer.Option("--batch-size", min=1, help="Rows claimed and published per batch.")
     ] = 100,
     idle: Annotated[
-        float, typer.Option("--idle", min=0.05, help="Longest pause (s) between polls of an empty outbox.")
+        float,
+        typer.Option(
+            "--idle", min=0.05, help="Longest pause (s) between polls of an empty outbox."
+        ),
     ] = 1.0,
     metrics_port: MetricsPort = None,
     metrics_host: MetricsHost = None,
@@ -50,7 +53,12 @@ def relay(
     from meshforge.store import open_store
 
     settings = load_settings(
-        {"store_url": store, "nats_url": nats_url, "metrics_port": metrics_port, "metrics_host": metrics_host}
+        {
+            "store_url": store,
+            "nats_url": nats_url,
+            "metrics_port": metrics_port,
+            "metrics_host": metrics_host,
+        }
     )
     configure_logging(settings.log_level, settings.log_json)
     opened = open_store(settings.store_url)
@@ -106,7 +114,9 @@ async def _streams(js: JetStreamContext, settings: Settings) -> None:
     await ensure(js, default_streams(settings), [])
 
 
-async def _relay_until_signal(store: Store, settings: Settings, *, batch_size: int, idle: float) -> None:
+async def _relay_until_signal(
+    store: Store, settings: Settings, *, batch_size: int, idle: float
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -129,7 +139,13 @@ async def _relay_until_signal(store: Store, settings: Settings, *, batch_size: i
         )  # fmt: skip
     try:
         sent = await run_relay(
-            store, settings, stop, batch_size=batch_size, idle=idle, metrics=metrics, on_connect=conns.append
+            store,
+            settings,
+            stop,
+            batch_size=batch_size,
+            idle=idle,
+            metrics=metrics,
+            on_connect=conns.append,
         )
     finally:
         if endpoint is not None:

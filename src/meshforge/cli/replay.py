@@ -80,16 +80,22 @@ def replay(
         }
         typer.echo(json.dumps(out))
     else:
-        typer.echo(f"agent {result.agent}: {result.events} events over {result.resources} resources")
+        typer.echo(
+            f"agent {result.agent}: {result.events} events over {result.resources} resources"
+        )
         typer.echo(f"state hash: sha256:{result.state_hash}")
         if instance is not None:
             typer.echo(f"snapshot hash, stored: sha256:{result.stored_hash}")
             typer.echo(f"snapshot hash, replayed: sha256:{result.snapshot_hash}")
             if result.consistent:
-                typer.echo(f"snapshots: {result.resources} rebuilt from events, all equal to the stored state")
+                typer.echo(
+                    f"snapshots: {result.resources} rebuilt from events, all equal to the stored state"
+                )
             else:
                 shown = ", ".join(result.mismatched[:5])
-                typer.echo(f"snapshots: {len(result.mismatched)} differ from the stored state: {shown}")
+                typer.echo(
+                    f"snapshots: {len(result.mismatched)} differ from the stored state: {shown}"
+                )
     if not result.consistent:
         raise typer.Exit(1)
 

@@ -29,7 +29,9 @@ def register(app: typer.Typer) -> None:
 def run(
     agents: Annotated[
         list[str],
-        typer.Argument(metavar="MODULE:AGENT...", help="Agents to run, e.g. meshforge.demo:OrderAgent."),
+        typer.Argument(
+            metavar="MODULE:AGENT...", help="Agents to run, e.g. meshforge.demo:OrderAgent."
+        ),
     ],
     store: StoreUrl = None,
     no_provision: NoProvision = False,
@@ -37,7 +39,8 @@ def run(
     metrics_host: MetricsHost = None,
     nats_url: NatsUrl = None,
     push: Annotated[
-        bool, typer.Option("--push", help="Take commands from push consumers (needs --deliver-group).")
+        bool,
+        typer.Option("--push", help="Take commands from push consumers (needs --deliver-group)."),
     ] = False,
     deliver_group: Annotated[
         str | None,
@@ -48,12 +51,14 @@ def run(
         ),
     ] = None,
     relay: Annotated[
-        bool, typer.Option("--relay", help="Also publish the store's outbox (as `meshforge relay`).")
+        bool,
+        typer.Option("--relay", help="Also publish the store's outbox (as `meshforge relay`)."),
     ] = False,
     log_level: Annotated[
         str | None,
         typer.Option(
-            "--log-level", metavar="LEVEL",
+            "--log-level",
+            metavar="LEVEL",
             help="debug, info (a summary of what was handled, once a second at most), warning, error"
             " (env MESHFORGE_LOG_LEVEL).",
         ),
@@ -61,7 +66,10 @@ def run(
     partitions: Annotated[
         int | None,
         typer.Option(
-            "--partitions", metavar="N", min=0, max=1024,
+            "--partitions",
+            metavar="N",
+            min=0,
+            max=1024,
             help="Split each agent's commands N ways by resource (env MESHFORGE_PARTITIONS; 0: off).",
         ),
     ] = None,
@@ -79,7 +87,9 @@ def run(
         metrics_host=metrics_host, partitions=partitions, log_level=log_level,
     )  # fmt: skip
     if settings.partitions and push:
-        raise typer.BadParameter("partitions need pull consumers: drop --push", param_hint="--partitions")
+        raise typer.BadParameter(
+            "partitions need pull consumers: drop --push", param_hint="--partitions"
+        )
     if push != (deliver_group is not None):
         raise typer.BadParameter("--push and --deliver-group NAME go together", param_hint="--push")
     if deliver_group is not None:
@@ -99,7 +109,9 @@ def run(
         asyncio.run(_serve(instances, target, deliver_group=deliver_group, relay=relay))
 
 
-async def _serve(agents: list[Any], settings: Settings, *, deliver_group: str | None, relay: bool) -> None:
+async def _serve(
+    agents: list[Any], settings: Settings, *, deliver_group: str | None, relay: bool
+) -> None:
     from meshforge.runtime.worker import Worker
 
     store = None

@@ -71,7 +71,9 @@ class Settings(AuthSettings):
     backoff: tuple[float, ...] = (1.0, 5.0, 10.0, 30.0)
     duplicate_window: float = 120.0
     replicas: int = 1
-    consumer_replicas: int | None = None  # None: as many as the streams; 0: inherit (nats' own rule)
+    consumer_replicas: int | None = (
+        None  # None: as many as the streams; 0: inherit (nats' own rule)
+    )
     storage: Literal["file", "memory"] = "file"
     max_age: float = 0.0
     max_bytes: int = -1
@@ -358,9 +360,7 @@ def parse_backoff(value: object, label: str = "backoff") -> tuple[float, ...]:
     return tuple(_parse_with(_delays, value, label))
 
 
-def _parse_with(
-    parser: Callable[[object], Any], value: object, label: str, key: str = ""
-) -> Any:
+def _parse_with(parser: Callable[[object], Any], value: object, label: str, key: str = "") -> Any:
     try:
         return parser(value)
     except _Bad as bad:
@@ -370,7 +370,9 @@ def _parse_with(
 def _fail(label: str, value: object, expected: str, key: str = "") -> ConfigError:
     if key in SECRET_SETTINGS:
         size = len(value) if isinstance(value, str) else 0
-        return ConfigError(f"{label}: expected {expected}, got a value of {size} characters (not shown)")
+        return ConfigError(
+            f"{label}: expected {expected}, got a value of {size} characters (not shown)"
+        )
     if key in _URL_SETTINGS and isinstance(value, str):
         value = redact_url(value)
     shown = repr(value)

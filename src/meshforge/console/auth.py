@@ -67,7 +67,9 @@ class ConsoleTokens:
     @classmethod
     def from_settings(cls, settings: Settings) -> ConsoleTokens:
         viewer = _token(
-            settings.console_viewer_token, settings.console_viewer_token_file, "console_viewer_token"
+            settings.console_viewer_token,
+            settings.console_viewer_token_file,
+            "console_viewer_token",
         )
         operator = _token(
             settings.console_operator_token,

@@ -63,7 +63,7 @@ def _payload(text: str) -> dict[str, Any]:
     except ValueError as exc:
         raise ConfigError(f"payload: expected a JSON object, got invalid JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise ConfigError("payload: expected a JSON object such as {\"seconds\": 1}")
+        raise ConfigError('payload: expected a JSON object such as {"seconds": 1}')
     return value
 
 

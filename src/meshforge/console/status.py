@@ -88,8 +88,11 @@ class StatusReader:
         if scope is None:
             return True
         parts = subject_filter.split(".")
-        return len(parts) > 1 and parts[0] == "cmd" and parts[1] == self.tenant and matches(
-            scope, subject_filter
+        return (
+            len(parts) > 1
+            and parts[0] == "cmd"
+            and parts[1] == self.tenant
+            and matches(scope, subject_filter)
         )
 
     async def overview(self) -> Overview:
@@ -191,8 +194,4 @@ class StatusReader:
 
 def _rates(history: collections.deque[tuple[float, int]]) -> list[float]:
     points = list(history)
-    return [
-        max(0.0, (b[1] - a[1]) / max(b[0] - a[0], 1e-3))
-        for a, b in itertools.pairwise(points)
-    ]
-
+    return [max(0.0, (b[1] - a[1]) / max(b[0] - a[0], 1e-3)) for a, b in itertools.pairwise(points)]

@@ -164,7 +164,9 @@ class Consumer:
         # Batch mode: two batches by default, the next fetched and handled while one acks.
         self.max_held = max_held or 2 * self.batch_size
         if self.concurrency < 1 or self.batch_size < 1 or self.max_held < self.batch_size:
-            raise ConfigError("consumer: concurrency and batch_size must be >= 1, max_held >= batch_size")
+            raise ConfigError(
+                "consumer: concurrency and batch_size must be >= 1, max_held >= batch_size"
+            )
         self._max_deliver_arg = max_deliver
         self.max_deliver: int | None = None
         self.unrecoverable = tuple(unrecoverable)
@@ -417,7 +419,9 @@ class Consumer:
                 from meshforge.topology import provision
 
                 with contextlib.suppress(Exception):  # retried at the next rebuild
-                    await provision.ensure(self._conn.js, await self._missing_streams(), [self.spec])
+                    await provision.ensure(
+                        self._conn.js, await self._missing_streams(), [self.spec]
+                    )
         except Exception as exc:  # server still away: the next fetch tells
             log.info("consumer %s: info unavailable: %s", self.durable, exc)
 

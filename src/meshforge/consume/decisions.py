@@ -138,7 +138,12 @@ class Delivery:
             pending = int(tokens[8])
         else:  # nats-py knows every form (domains); this one is rarer
             meta = msg.metadata
-            stream, seq, delivered, named = meta.stream, meta.sequence.stream, meta.num_delivered, meta.consumer
+            stream, seq, delivered, named = (
+                meta.stream,
+                meta.sequence.stream,
+                meta.num_delivered,
+                meta.consumer,
+            )
             stamp, pending = meta.timestamp, meta.num_pending or 0
         return cls(
             msg=msg, subject=msg.subject, data=msg.data, headers=dict(msg.headers or {}),

@@ -209,7 +209,9 @@ class FailurePolicy:
     def _handler(self, error: BaseException | str | None, attempt: int) -> Decision:
         if isinstance(error, MalformedMessage):
             return _dead(REASON_MALFORMED, error)
-        if isinstance(error, Unrecoverable) or (self.unrecoverable and isinstance(error, self.unrecoverable)):
+        if isinstance(error, Unrecoverable) or (
+            self.unrecoverable and isinstance(error, self.unrecoverable)
+        ):
             return _dead(REASON_UNRECOVERABLE, error)
         if isinstance(error, Rejected):
             return _dead(REASON_REJECTED, error)

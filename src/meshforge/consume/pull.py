@@ -272,7 +272,9 @@ class PullSource:
 
     def _watch(self, stop: asyncio.Event | None) -> None:
         """Wake a waiting fetch when ``stop`` is set: one task per event, not per fetch."""
-        if stop is None or (self._watching is stop and self._watcher is not None and not self._watcher.done()):
+        if stop is None or (
+            self._watching is stop and self._watcher is not None and not self._watcher.done()
+        ):
             return
         if self._watcher is not None:
             self._watcher.cancel()
@@ -317,7 +319,11 @@ class PullSource:
             self._watcher.cancel()
             self._watcher = self._watching = None
         # Only a connected client can still be sent anything.
-        came = await self._await_open_request() if drain and self._sub is not None and self._nc.is_connected else []
+        came = (
+            await self._await_open_request()
+            if drain and self._sub is not None and self._nc.is_connected
+            else []
+        )
         sub, self._sub = self._sub, None
         if sub is not None and drain:
             try:
@@ -491,14 +497,23 @@ class PullLoop:
         self._reserve(limit)
         try:
             while len(got) < limit and not self._stop.is_set():
-                result = await self.source.fetch(min(self._batch_size, limit - len(got)), self._stop)
+                result = await self.source.fetch(
+                    min(self._batch_size, limit - len(got)), self._stop
+                )
                 got += result.messages
                 for msg in result.surplus:
                     await self._nak(msg)
-                if result.outcome != "messages" or any(m.metadata.num_delivered == 1 for m in result.messages):
+                if result.outcome != "messages" or any(
+                    m.metadata.num_delivered == 1 for m in result.messages
+                ):
                     break  # nothing more is due, or a new command: every redelivery came first
             if got:
-                log.info("consumer %s: took back %d of %d held by the previous owner", self.source.durable, len(got), due)
+                log.info(
+                    "consumer %s: took back %d of %d held by the previous owner",
+                    self.source.durable,
+                    len(got),
+                    due,
+                )
                 self._dispatch(sorted(got, key=lambda m: m.metadata.sequence.stream))
         finally:
             self._reserve(-limit)
@@ -508,7 +523,10 @@ class PullLoop:
         resumed = asyncio.ensure_future(self._pause.resumed()) if self._pause is not None else None
         stopped = asyncio.ensure_future(self._stop.wait())
         try:
-            await asyncio.wait({f for f in (resumed, stopped) if f is not None}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {f for f in (resumed, stopped) if f is not None},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         finally:
             for future in (resumed, stopped):
                 if future is not None:

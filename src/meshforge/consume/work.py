@@ -118,10 +118,14 @@ class Processor:
                     msg.data, delivery.headers, default_ts=lambda: delivery.stored_ts
                 )
             except MalformedMessage as exc:
-                return delivery, self.policy.decide(Outcome(Cause.REFUSED, error=exc, reason=REASON_MALFORMED))
+                return delivery, self.policy.decide(
+                    Outcome(Cause.REFUSED, error=exc, reason=REASON_MALFORMED)
+                )
         conflict = _tenant_conflict(delivery)
         if conflict is not None:
-            return delivery, self.policy.decide(Outcome(Cause.REFUSED, error=conflict, reason=REASON_REJECTED))
+            return delivery, self.policy.decide(
+                Outcome(Cause.REFUSED, error=conflict, reason=REASON_REJECTED)
+            )
         if self.policy.past_limit(delivery.num_delivered):
             return delivery, self.policy.decide(Outcome(Cause.EXHAUSTED, delivery.num_delivered))
         return delivery, None
@@ -187,7 +191,10 @@ class Processor:
                 decisions = [self.decide(exc, d) for d in ready]
         self._batch_seconds.observe(time.perf_counter() - start)
         review = self.policy.review
-        return [(d, review(dec or Decision.ack(), d.num_delivered)) for d, dec in zip(ready, decisions, strict=True)]
+        return [
+            (d, review(dec or Decision.ack(), d.num_delivered))
+            for d, dec in zip(ready, decisions, strict=True)
+        ]
 
 
 def _tenant_conflict(delivery: Delivery) -> str | None:
@@ -203,7 +210,11 @@ def _tenant_conflict(delivery: Delivery) -> str | None:
     header = delivery.headers.get(H_TENANT)
     body = env.body_tenant_id if env is not None else None
     agreed = (None, "", scope.tenant)  # what tenant_conflict lets pass
-    conflict = None if header in agreed and body in agreed else tenant_conflict(scope, header=header, body=body)
+    conflict = (
+        None
+        if header in agreed and body in agreed
+        else tenant_conflict(scope, header=header, body=body)
+    )
     if conflict is not None:
         return conflict
     if env is not None:
@@ -253,7 +264,9 @@ class Workers:
     """The tasks working on held messages, and the capacity they leave free (the
     consumer's own, or with a ``Budget`` the room its engine's lane has left)."""
 
-    def __init__(self, consumer: str, metrics: Metrics, stop: asyncio.Event, budget: Budget | None = None) -> None:
+    def __init__(
+        self, consumer: str, metrics: Metrics, stop: asyncio.Event, budget: Budget | None = None
+    ) -> None:
         self.consumer = consumer
         self._stop = stop
         self._budget = budget

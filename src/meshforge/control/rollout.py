@@ -359,7 +359,11 @@ async def job_report(store: JobStore, job: str) -> dict[str, Any]:
     records = await store.nodes(job)
     status = await store.status(job)
     if status["status"] == "running" and await store.canceled(job):
-        status = {**status, "status": "canceling", "reason": "canceled; its controller finishes the cancel"}
+        status = {
+            **status,
+            "status": "canceling",
+            "reason": "canceled; its controller finishes the cancel",
+        }
     return {
         "job": job, "command": spec.command, "status": status["status"], "reason": status.get("reason"),
         "created_at": spec.created_at, "targets": len(spec.targets), **figures(records), "at": now_ts(),

@@ -165,7 +165,9 @@ class NodeRuntime:
             )
         )  # fmt: skip
         self.metrics.prepare_consumer(self.durable, REASONS)
-        probes = Probes(self.conn.js, self.metrics, [(self.spec.stream, self.durable)], store=self.store)
+        probes = Probes(
+            self.conn.js, self.metrics, [(self.spec.stream, self.durable)], store=self.store
+        )
         probing = asyncio.create_task(probes.run(self.probe_interval))
         try:
             if not self._stopping:
@@ -319,7 +321,9 @@ class NodeRuntime:
         error = one_line(exc)
         if decision.action is Action.DEAD_LETTER:
             if decision.reason == REASON_MAX_DELIVERIES:
-                decision = Decision.dead_letter(decision.reason, f"failed {attempt} time(s), last: {error}")
+                decision = Decision.dead_letter(
+                    decision.reason, f"failed {attempt} time(s), last: {error}"
+                )
             return await self._dead(env, decision)
         await self._tx(lambda tx: tx.inbox_failed(env.id, self.durable, error))
         log.warning(
@@ -331,7 +335,9 @@ class NodeRuntime:
     async def _dead(self, env: Envelope, decision: Decision) -> Decision | None:
         """Reply with the dead letter's status (expired, rejected, else error) and send it."""
         reason = decision.reason or REASON_UNRECOVERABLE
-        status: Status = "expired" if reason == "expired" else "rejected" if reason == "rejected" else "error"
+        status: Status = (
+            "expired" if reason == "expired" else "rejected" if reason == "rejected" else "error"
+        )
         return await self._finish(env, status, None, decision.error, dead_letter=reason, begun=True)
 
     async def _finish(

@@ -90,7 +90,9 @@ class DeadLetters:
     async def _next(self, seq: int, subject_filter: str | None) -> RawStreamMsg | None:
         """The first stored message at or after ``seq`` (matching), or None."""
         try:
-            raw = await self.js.get_msg(self.stream, seq=seq, subject=subject_filter or ">", next=True)
+            raw = await self.js.get_msg(
+                self.stream, seq=seq, subject=subject_filter or ">", next=True
+            )
         except nats.js.errors.NotFoundError as exc:
             if exc.err_code == _STREAM_MISSING:
                 raise self._missing() from None
@@ -144,7 +146,9 @@ class DeadLetters:
             seq = raw.seq + 1
             if is_original_copy(raw.subject or ""):
                 continue
-            letter = _letter(raw.seq, raw.subject or "", raw.data or b"", raw.headers or {}, raw.time)
+            letter = _letter(
+                raw.seq, raw.subject or "", raw.data or b"", raw.headers or {}, raw.time
+            )
             if reason is None or letter.reason == reason:
                 letters.append(letter)
         return letters, seq
@@ -256,7 +260,9 @@ class DeadLetters:
             seq = raw.seq + 1
             if is_original_copy(raw.subject or ""):
                 continue
-            letter = _letter(raw.seq, raw.subject or "", raw.data or b"", raw.headers or {}, raw.time)
+            letter = _letter(
+                raw.seq, raw.subject or "", raw.data or b"", raw.headers or {}, raw.time
+            )
             done.append((raw.seq, await self._redrive(letter)))
         return done
 

@@ -92,7 +92,13 @@ REASON_MAX_DELIVERIES = "max_deliveries"
 REASON_EXPIRED = "expired"
 REASON_REJECTED = "rejected"
 #: Every ``Dlq-Reason`` a dead letter may carry (CONTRACT.md).
-REASONS = (REASON_MALFORMED, REASON_UNRECOVERABLE, REASON_MAX_DELIVERIES, REASON_EXPIRED, REASON_REJECTED)
+REASONS = (
+    REASON_MALFORMED,
+    REASON_UNRECOVERABLE,
+    REASON_MAX_DELIVERIES,
+    REASON_EXPIRED,
+    REASON_REJECTED,
+)
 ERROR_LIMIT = 1024
 
 # Server directives that would apply to the dead-letter publish itself (and make it fail

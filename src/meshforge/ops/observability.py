@@ -73,33 +73,61 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.published = Counter("meshforge_published", "Messages stored by JetStream.", ["stream"], registry=r)
+        self.published = Counter(
+            "meshforge_published", "Messages stored by JetStream.", ["stream"], registry=r
+        )
         self.publish_duplicates = Counter(
-            "meshforge_publish_duplicates", "Publishes the server reported as duplicates.", ["stream"], registry=r
+            "meshforge_publish_duplicates",
+            "Publishes the server reported as duplicates.",
+            ["stream"],
+            registry=r,
         )
         self.publish_retries = Counter(
-            "meshforge_publish_retries", "Publish attempts retried, by error kind.", ["kind"], registry=r
+            "meshforge_publish_retries",
+            "Publish attempts retried, by error kind.",
+            ["kind"],
+            registry=r,
         )
         self.publish_failures = Counter(
-            "meshforge_publish_failures", "Publishes that failed for good, by error kind.", ["kind"], registry=r
+            "meshforge_publish_failures",
+            "Publishes that failed for good, by error kind.",
+            ["kind"],
+            registry=r,
         )
-        self.consumed = Counter("meshforge_consumed", "Messages delivered to a consumer.", ["consumer"], registry=r)
+        self.consumed = Counter(
+            "meshforge_consumed", "Messages delivered to a consumer.", ["consumer"], registry=r
+        )
         self.acked = Counter("meshforge_acked", "Messages acknowledged.", ["consumer"], registry=r)
-        self.naked = Counter("meshforge_naked", "Messages negatively acknowledged.", ["consumer"], registry=r)
+        self.naked = Counter(
+            "meshforge_naked", "Messages negatively acknowledged.", ["consumer"], registry=r
+        )
         self.redeliveries = Counter(
             "meshforge_redeliveries", "Deliveries after the first.", ["consumer"], registry=r
         )
         self.dead_lettered = Counter(
-            "meshforge_dead_lettered", "Messages sent to failed.>, by reason.", ["consumer", "reason"], registry=r
+            "meshforge_dead_lettered",
+            "Messages sent to failed.>, by reason.",
+            ["consumer", "reason"],
+            registry=r,
         )
         self.deliveries_exhausted = Counter(
-            "meshforge_deliveries_exhausted", "Messages that used up MaxDeliver.", ["consumer"], registry=r
+            "meshforge_deliveries_exhausted",
+            "Messages that used up MaxDeliver.",
+            ["consumer"],
+            registry=r,
         )
         self.duplicates_skipped = Counter(
-            "meshforge_duplicates_skipped", "Deliveries whose effect had already happened.", ["consumer"], registry=r
+            "meshforge_duplicates_skipped",
+            "Deliveries whose effect had already happened.",
+            ["consumer"],
+            registry=r,
         )
         self.handler_seconds = Histogram(
-            "meshforge_handler_seconds", "Handler run time.", ["consumer"], buckets=_LATENCY_BUCKETS, registry=r
+            "meshforge_handler_seconds",
+            "Handler run time.",
+            ["consumer"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.end_to_end_seconds = Histogram(
             "meshforge_end_to_end_seconds",
@@ -120,7 +148,9 @@ class Metrics:
             "meshforge_oldest_hold_seconds", "How long the oldest held command has been waiting.",
             ["consumer"], registry=r,
         )  # fmt: skip
-        self.in_flight = Gauge("meshforge_in_flight", "Messages being handled now.", ["consumer"], registry=r)
+        self.in_flight = Gauge(
+            "meshforge_in_flight", "Messages being handled now.", ["consumer"], registry=r
+        )
         self.outbox_depth = Gauge("meshforge_outbox_depth", "Outbox rows not yet sent.", registry=r)
         # Polled from the server's consumer info (see meshforge.ops.probes), not counted locally.
         self.consumer_pending = Gauge(
@@ -142,7 +172,10 @@ class Metrics:
             registry=r,
         )
         self.inbox_rows = Gauge(
-            "meshforge_inbox_rows", "Inbox rows kept in the store, by status.", ["status"], registry=r
+            "meshforge_inbox_rows",
+            "Inbox rows kept in the store, by status.",
+            ["status"],
+            registry=r,
         )
         self.effects_rows = Gauge(
             "meshforge_effects_rows",
@@ -157,13 +190,23 @@ class Metrics:
             registry=r,
         )
         self.node_replies = Counter(
-            "meshforge_node_replies", "Replies a node sent, by status.", ["site", "node", "status"], registry=r
+            "meshforge_node_replies",
+            "Replies a node sent, by status.",
+            ["site", "node", "status"],
+            registry=r,
         )
-        self.node_epoch = Gauge("meshforge_node_epoch", "A node's current epoch.", ["site", "node"], registry=r)
+        self.node_epoch = Gauge(
+            "meshforge_node_epoch", "A node's current epoch.", ["site", "node"], registry=r
+        )
         # Set by a job controller (meshforge ctl job run) after each of its steps.
-        self.job_nodes = Gauge("meshforge_job_nodes", "A job's nodes, by state.", ["job_name", "state"], registry=r)
+        self.job_nodes = Gauge(
+            "meshforge_job_nodes", "A job's nodes, by state.", ["job_name", "state"], registry=r
+        )
         self.job_failed_share = Gauge(
-            "meshforge_job_failed_share", "Share (0..1) of a job's done nodes that failed.", ["job_name"], registry=r
+            "meshforge_job_failed_share",
+            "Share (0..1) of a job's done nodes that failed.",
+            ["job_name"],
+            registry=r,
         )
         self.job_oldest_in_progress = Gauge(
             "meshforge_job_oldest_in_progress_seconds",
@@ -171,8 +214,12 @@ class Metrics:
             ["job_name"],
             registry=r,
         )
-        self.ready = Gauge("meshforge_ready", "1 while the process consumes and is connected to NATS.", registry=r)
-        self.nats_connected = Gauge("meshforge_nats_connected", "1 while connected to NATS.", registry=r)
+        self.ready = Gauge(
+            "meshforge_ready", "1 while the process consumes and is connected to NATS.", registry=r
+        )
+        self.nats_connected = Gauge(
+            "meshforge_nats_connected", "1 while connected to NATS.", registry=r
+        )
         self.kill_switch_open = Gauge(
             "meshforge_kill_switch_open",
             "1 while an outage (of the store or the server) pauses the work, by cause.",
@@ -180,7 +227,10 @@ class Metrics:
             registry=r,
         )
         self.kill_switch_trips = Counter(
-            "meshforge_kill_switch_trips", "Times an outage opened the kill switch, by cause.", ["cause"], registry=r
+            "meshforge_kill_switch_trips",
+            "Times an outage opened the kill switch, by cause.",
+            ["cause"],
+            registry=r,
         )
 
     @classmethod

@@ -66,9 +66,7 @@ class Probes:
         """One round: every consumer's info, then the inbox count."""
         for stream, durable in self.consumers:
             try:
-                info = await asyncio.wait_for(
-                    self.js.consumer_info(stream, durable), _INFO_TIMEOUT
-                )
+                info = await asyncio.wait_for(self.js.consumer_info(stream, durable), _INFO_TIMEOUT)
             except Exception as exc:  # disconnected, denied, deleted: keep the last values
                 self._failed(f"consumer {stream}/{durable}", exc)
                 continue

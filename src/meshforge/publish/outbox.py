@@ -328,7 +328,9 @@ class OutboxRelay:
         due = self._next_cleanup
         if now >= due and (caught_up or now >= due + self.cleanup_every):
             self._next_cleanup = now + self.cleanup_every
-            await cleanup_once(f"outbox relay {self.relay_id}", self.store.outbox_cleanup, self.retention)
+            await cleanup_once(
+                f"outbox relay {self.relay_id}", self.store.outbox_cleanup, self.retention
+            )
 
     async def depth(self) -> int:
         """Rows still to publish (also sets the ``outbox_depth`` gauge)."""

@@ -101,7 +101,10 @@ def _permission_denied(js: JetStreamContext, subject: str) -> str | None:
     err = getattr(nc, "last_error", None) if nc is not None else None
     text = str(err) if err is not None else ""
     # nats-py lower-cases the server's -ERR text, subject included.
-    if "permissions violation for publish" in text.lower() and f'"{subject.lower()}"' in text.lower():
+    if (
+        "permissions violation for publish" in text.lower()
+        and f'"{subject.lower()}"' in text.lower()
+    ):
         return text.removeprefix("nats: ")
     return None
 

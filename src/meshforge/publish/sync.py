@@ -41,7 +41,9 @@ __all__ = ["SyncPublisher", "envelope_for"]
 _LIVE: weakref.WeakSet[SyncPublisher] = weakref.WeakSet()
 
 
-def envelope_for(subject: str, payload: Mapping[str, Any], *, source: str = "meshforge") -> Envelope:
+def envelope_for(
+    subject: str, payload: Mapping[str, Any], *, source: str = "meshforge"
+) -> Envelope:
     """A new envelope for ``payload`` whose type comes from a ``cmd``/``evt`` subject.
 
     >>> envelope_for("cmd.default.shop.order.create", {"sku": "A-1"}).type
@@ -54,7 +56,11 @@ def envelope_for(subject: str, payload: Mapping[str, Any], *, source: str = "mes
             "cmd.<tenant>.<ns>.<agent>.<command> or evt.<tenant>.<ns>.<agent>.<event> subject"
         )
     # A partitioned command's sixth token is its partition, not part of the type.
-    verb = tokens[4] if tokens[0] == "cmd" and len(tokens) == 6 and tokens[5].isdigit() else ".".join(tokens[4:])
+    verb = (
+        tokens[4]
+        if tokens[0] == "cmd" and len(tokens) == 6 and tokens[5].isdigit()
+        else ".".join(tokens[4:])
+    )
     return Envelope.new(f"{tokens[3]}.{verb}", payload, source=source, tenant_id=tokens[1])
 
 
@@ -120,7 +126,9 @@ class SyncPublisher:
             raise PublishError("the SyncPublisher is closed", kind="closed") from None
         except BridgeTimeout:
             raise PublishError(
-                f"publish to {subject!r}: no PubAck within {limit:g}s", kind="timeout", retriable=True
+                f"publish to {subject!r}: no PubAck within {limit:g}s",
+                kind="timeout",
+                retriable=True,
             ) from None
         finally:
             self._slots.release()
@@ -137,13 +145,20 @@ class SyncPublisher:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 
     # ------------------------------------------------------------------ on the loop
     async def _publish(
-        self, subject: str, data: Envelope | bytes, headers: dict[str, str] | None, msg_id: str | None
+        self,
+        subject: str,
+        data: Envelope | bytes,
+        headers: dict[str, str] | None,
+        msg_id: str | None,
     ) -> PublishResult:
         publisher = self._publisher
         if publisher is None:

@@ -65,7 +65,10 @@ def describe(before: Totals, after: Totals, seconds: float, names: dict[str, str
             parts.append(f"{names.get(consumer, consumer)} {', '.join(bits)}")
     if not parts:
         return None
-    return f"handled {handled} command(s) in {seconds:.1f}s ({handled / seconds:.0f}/s): " + "; ".join(parts)
+    return (
+        f"handled {handled} command(s) in {seconds:.1f}s ({handled / seconds:.0f}/s): "
+        + "; ".join(parts)
+    )
 
 
 async def summarize(

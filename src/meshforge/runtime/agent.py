@@ -200,7 +200,9 @@ class Agent(Generic[S]):
                 raise Unrecoverable(f"payload lacks {key!r}, the key of command {spec.name!r}")
             value = cmd.payload[key]
         if isinstance(value, bool) or not isinstance(value, str | int) or value == "":
-            raise Unrecoverable(f"resource key of command {spec.name!r} must be a non-empty string, got {value!r}")
+            raise Unrecoverable(
+                f"resource key of command {spec.name!r} must be a non-empty string, got {value!r}"
+            )
         return str(value)
 
     async def handle(self, spec: CommandSpec, cmd: Envelope, state: S) -> list[Output]:

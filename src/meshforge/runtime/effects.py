@@ -107,7 +107,9 @@ class EffectStore:
         begun = self.store.transaction_now()
         return None if begun is None else self._read(*begun, works)
 
-    def _read(self, cm: AbstractContextManager[Transaction], tx: Transaction, works: list[Work]) -> Opened:
+    def _read(
+        self, cm: AbstractContextManager[Transaction], tx: Transaction, works: list[Work]
+    ) -> Opened:
         try:
             # One statement each for the whole group; the store locks in one order for
             # every worker.
@@ -165,7 +167,9 @@ class EffectStore:
         # Last: from its event-log append to COMMIT, every writer of the log waits for us.
         encode = self.agent.encode_state
         for scope, events in sorted(by_scope.items()):
-            states = {r: encode(plan.states[(scope, r)]) for r in {e.resource_id or "" for e in events}}
+            states = {
+                r: encode(plan.states[(scope, r)]) for r in {e.resource_id or "" for e in events}
+            }
             append_with_states(tx, self.agent.name, scope, events, states)
 
     def mark_published(self, keys: list[tuple[Scope, str]]) -> None:

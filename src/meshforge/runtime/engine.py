@@ -99,7 +99,9 @@ def consumer_name(agent: str) -> str:
     return f"{agent}_consumer"
 
 
-def failure_policy(agent: Agent[Any], max_deliver: int, backoff: tuple[float, ...]) -> FailurePolicy:
+def failure_policy(
+    agent: Agent[Any], max_deliver: int, backoff: tuple[float, ...]
+) -> FailurePolicy:
     """An agent's failure policy: the engine's unrecoverable errors and the agent's own,
     and a stop behind each dead letter if the agent asks for it."""
     return FailurePolicy(
@@ -227,7 +229,9 @@ class Engine(Generic[S]):
         hand their outputs to the publish stage: the next group commits while they go out."""
         group: list[_Batch] = []
         works: list[Work] = []
-        while self._queue and (not works or len(works) + len(self._queue[0].works) <= self.max_batch):
+        while self._queue and (
+            not works or len(works) + len(self._queue[0].works) <= self.max_batch
+        ):
             batch = self._queue.popleft()
             batch.taken = True
             group.append(batch)
@@ -245,7 +249,9 @@ class Engine(Generic[S]):
             for batch in group:
                 if not batch.done.done():
                     # A cancelled group's waiters were cancelled with it: nobody reads these.
-                    batch.done.cancel() if isinstance(exc, asyncio.CancelledError) else batch.done.set_exception(exc)
+                    batch.done.cancel() if isinstance(
+                        exc, asyncio.CancelledError
+                    ) else batch.done.set_exception(exc)
             raise
         if overlapping:
             crash_point("after_commit_while_publishing")
@@ -302,7 +308,11 @@ class Engine(Generic[S]):
                 work.decide(self.policy.decide(Outcome(Cause.HELD, delay=delay)))
                 self.holds.away((work.scope, work.resource), work.delivery.seq, delay)
             self.metrics.held_back.labels(consumer=self.consumer).inc(len(held))
-            log.debug("%s: %d command(s) held behind earlier ones of their resources", self.consumer, len(held))
+            log.debug(
+                "%s: %d command(s) held behind earlier ones of their resources",
+                self.consumer,
+                len(held),
+            )
         return run
 
     async def _count_held(self, works: list[Work]) -> None:
@@ -310,9 +320,16 @@ class Engine(Generic[S]):
         try:
             await self._in_thread(self.store.run, lambda tx: self.holds.count(tx, works))
         except StoreError as exc:
-            log.warning("%s: could not count %d held command(s): %s", self.consumer, len(works), one_line(exc))
+            log.warning(
+                "%s: could not count %d held command(s): %s",
+                self.consumer,
+                len(works),
+                one_line(exc),
+            )
 
-    async def _stop_behind(self, decided: list[tuple[Work, Decision]]) -> list[tuple[Work, Decision]]:
+    async def _stop_behind(
+        self, decided: list[tuple[Work, Decision]]
+    ) -> list[tuple[Work, Decision]]:
         """The decisions for works not applied, with the stops the policy asks for stored
         first: a dead letter of an agent with ``hold_after_dead_letter`` keeps its resource
         held (its stop stored before the dead letter goes out; a stop that cannot be stored
@@ -329,7 +346,9 @@ class Engine(Generic[S]):
             return [(w, retry if self.policy.stops(d) else d) for w, d in decided]
         log.warning(
             "%s: %d resource(s) stay held behind a dead-lettered command until it is"
-            " re-driven or `meshforge holds release`", self.consumer, len(heads),
+            " re-driven or `meshforge holds release`",
+            self.consumer,
+            len(heads),
         )
         return decided
 
@@ -352,7 +371,9 @@ class Engine(Generic[S]):
             return None
         subject = partitioned(delivery.subject, env, self.settings)
         msg_id = derive_id(env.id, -1)
-        return StoredOutput(0, subject, msg_id, delivery.data, {**delivery.headers, H_MSG_ID: msg_id})
+        return StoredOutput(
+            0, subject, msg_id, delivery.data, {**delivery.headers, H_MSG_ID: msg_id}
+        )
 
     async def _forward(self, forwards: list[StoredOutput]) -> Decision:
         try:
@@ -367,7 +388,9 @@ class Engine(Generic[S]):
         env = delivery.envelope
         if env is None:
             return self.policy.decide(
-                Outcome(Cause.REFUSED, error="no envelope could be decoded", reason=REASON_MALFORMED)
+                Outcome(
+                    Cause.REFUSED, error="no envelope could be decoded", reason=REASON_MALFORMED
+                )
             )
         spec = self._spec_of(env, delivery.subject)
         if spec is None:
@@ -383,7 +406,9 @@ class Engine(Generic[S]):
         try:
             resource = self.agent.resource_key(env, spec)
         except Exception as exc:
-            return self._failure(delivery, exc, self.holds.attempts(scope, env.key, delivery.num_delivered))
+            return self._failure(
+                delivery, exc, self.holds.attempts(scope, env.key, delivery.num_delivered)
+            )
         return Work(index, delivery, env, spec, resource, scope, position=index)
 
     def slot_of(self, subject: str, data: bytes, headers: dict[str, str]) -> Slot | None:
@@ -428,7 +453,10 @@ class Engine(Generic[S]):
             try:
                 plan = await self._run(works)
             except Conflict:
-                log.info("%s: another worker stored an effect of this batch; running it again", self.consumer)
+                log.info(
+                    "%s: another worker stored an effect of this batch; running it again",
+                    self.consumer,
+                )
             except StoreError as exc:
                 decision = self.policy.decide(Outcome(Cause.STORE, error=exc))
                 if decision.action is Action.IN_PROGRESS:  # an outage: never count it against them
@@ -440,14 +468,18 @@ class Engine(Generic[S]):
                 if not exc.retriable:
                     raise
                 if attempt == _BATCH_ATTEMPTS - 1:
-                    log.warning("%s: store failed, batch will be redelivered: %s", self.consumer, exc)
+                    log.warning(
+                        "%s: store failed, batch will be redelivered: %s", self.consumer, exc
+                    )
                     return self._all(works, decision)
             else:
                 self.kill_switch.close("store")
                 return plan
             attempt += 1
             self._reset(works)
-        return self._all(works, self.policy.decide(Outcome(Cause.STORE, error="conflicts with other workers")))
+        return self._all(
+            works, self.policy.decide(Outcome(Cause.STORE, error="conflicts with other workers"))
+        )
 
     async def _split(self, works: list[Work], exc: StoreError) -> Plan:
         """Bisect a batch whose transaction failed: the innocent halves commit, the culprit
@@ -516,7 +548,9 @@ class Engine(Generic[S]):
                 inline = (self._inline and len(works) <= _INLINE_MAX and not self._queue
                           and works[-1].delivery.pending == 0 and not self._behind(works[0]))  # fmt: skip
                 ran = self._run_inline(works, marks) if inline else None
-                plan = ran if ran is not None else await self._in_thread(self._run_here, works, marks)
+                plan = (
+                    ran if ran is not None else await self._in_thread(self._run_here, works, marks)
+                )
             else:
                 cm, tx, raw, stored = await self._in_thread(self._tx.open, works)
                 try:
@@ -530,7 +564,9 @@ class Engine(Generic[S]):
             failure = exc
             raise
         finally:
-            retry = isinstance(failure, Conflict) or (isinstance(failure, StoreError) and failure.retriable)
+            retry = isinstance(failure, Conflict) or (
+                isinstance(failure, StoreError) and failure.retriable
+            )
             self._marks.done(marks, failure, retry=retry)
         crash_point("after_commit")
         return plan
@@ -612,7 +648,9 @@ class Engine(Generic[S]):
         limits = self.publisher.limits()
         plan = Plan()
         plan.states = states = {r: self._decode(data) for r, data in raw.items()}
-        blocked: dict[tuple[Scope, str], Decision] = {}  # resource -> what its later commands become
+        blocked: dict[
+            tuple[Scope, str], Decision
+        ] = {}  # resource -> what its later commands become
         for work in works:
             d = work.delivery
             slot = (work.scope, work.resource)
@@ -647,8 +685,14 @@ class Engine(Generic[S]):
                             raise  # the handler's own
                         raise self._timed_out(work.spec, limit) from None
                 new_state, work.outputs, work.events = build_outputs(
-                    agent, work.env, work.resource, d.subject, outputs, states[slot],
-                    self.settings.partitions, work.scope,
+                    agent,
+                    work.env,
+                    work.resource,
+                    d.subject,
+                    outputs,
+                    states[slot],
+                    self.settings.partitions,
+                    work.scope,
                 )
                 self._check_sizes(work.outputs, limits)
             except Exception as exc:

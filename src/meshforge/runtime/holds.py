@@ -94,7 +94,9 @@ INSERT INTO meshforge_holds (tenant, namespace, consumer, key, resource_id, seq,
 VALUES (?, ?, ?, ?, ?, ?, 0, 1, ?, ?)
 ON CONFLICT (tenant, namespace, consumer, key) DO UPDATE SET stopped = 1, updated_at = excluded.updated_at
 """
-_DELETE = "DELETE FROM meshforge_holds WHERE tenant = ? AND namespace = ? AND consumer = ? AND key = ?"
+_DELETE = (
+    "DELETE FROM meshforge_holds WHERE tenant = ? AND namespace = ? AND consumer = ? AND key = ?"
+)
 _LOAD = "SELECT tenant, namespace, key, held, stopped, resource_id FROM meshforge_holds WHERE consumer = ?"
 _COUNT = "SELECT held FROM meshforge_holds WHERE tenant = ? AND namespace = ? AND consumer = ? AND key = ?"
 
@@ -148,11 +150,15 @@ class Holds:
         within ``due_in`` seconds."""
         now = time.monotonic()
         for slot, seq in found:
-            self._open.setdefault(slot, {}).setdefault(seq, _Entry(False, now + due_in, now, known=False))
+            self._open.setdefault(slot, {}).setdefault(
+                seq, _Entry(False, now + due_in, now, known=False)
+            )
 
     def quiet(self, works: Iterable[Held]) -> bool:
         """Nothing but these works is outstanding for their resources (the usual case)."""
-        return not self.stopped and all(len(self._open.get((w.scope, w.resource), ())) <= 1 for w in works)
+        return not self.stopped and all(
+            len(self._open.get((w.scope, w.resource), ())) <= 1 for w in works
+        )
 
     def split(self, works: Sequence[W]) -> tuple[list[W], list[tuple[W, float]]]:
         """The works (in stream order) that may run now, and those held with their nak

@@ -107,7 +107,11 @@ class KillSwitch:
         if held is None:
             return
         self.metrics.kill_switch_open.labels(cause=cause).set(0)
-        log.error("kill switch closed: the %s answers again after %.1fs; work resumes", cause, self._clock() - held[0])
+        log.error(
+            "kill switch closed: the %s answers again after %.1fs; work resumes",
+            cause,
+            self._clock() - held[0],
+        )
         if not self._causes:
             self._closed.set()
             if self._reminder is not None:
@@ -125,7 +129,12 @@ class KillSwitch:
             await asyncio.sleep(self.remind_every)
             now = self._clock()
             for cause, (since, text) in sorted(self._causes.items()):
-                log.error("kill switch still open: the %s has been out for %.0fs (%s)", cause, now - since, text)
+                log.error(
+                    "kill switch still open: the %s has been out for %.0fs (%s)",
+                    cause,
+                    now - since,
+                    text,
+                )
 
     async def pause(self, attempt: int) -> None:
         """Sleep before probe ``attempt`` (1 for the first) of a held transaction."""

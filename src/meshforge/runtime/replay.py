@@ -145,7 +145,11 @@ def replay(
                 state = states[key] if key in states else agent.initial()
                 payload = canonical(event.data)
                 states[key] = agent.apply(
-                    state, Event(event_name(agent_name, event.type), payload if isinstance(payload, dict) else {})
+                    state,
+                    Event(
+                        event_name(agent_name, event.type),
+                        payload if isinstance(payload, dict) else {},
+                    ),
                 )
     if agent is None:
         return ReplayResult(agent_name, hasher.events, hasher.resources, hasher.hexdigest())

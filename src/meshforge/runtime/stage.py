@@ -38,9 +38,11 @@ _POLICY = FailurePolicy()
 
 class PublishStage:
     """A FIFO of publish jobs, one per committed group. Its items are the engine's outputs,
-each checked against the publisher's size limits before it was stored."""
+    each checked against the publisher's size limits before it was stored."""
 
-    def __init__(self, consumer: str, publisher: Publisher, kill_switch: KillSwitch | None = None) -> None:
+    def __init__(
+        self, consumer: str, publisher: Publisher, kill_switch: KillSwitch | None = None
+    ) -> None:
         self.consumer = consumer
         self.publisher = publisher
         #: Given one, a job the server cannot take (it is away, or fails every publish)
@@ -92,7 +94,9 @@ each checked against the publisher's size limits before it was stored."""
         except BaseException as exc:
             for fut in settle:
                 if not fut.done():
-                    fut.cancel() if isinstance(exc, asyncio.CancelledError) else fut.set_exception(exc)
+                    fut.cancel() if isinstance(exc, asyncio.CancelledError) else fut.set_exception(
+                        exc
+                    )
             if not isinstance(exc, Exception):
                 raise
             log.error("%s: publish stage failed", self.consumer, exc_info=exc)
@@ -117,9 +121,15 @@ each checked against the publisher's size limits before it was stored."""
                 if items[half:]:
                     await self.publisher.publish_many(items[half:], checked=True)
             except PublishError as exc:
-                wait = _POLICY.decide(Outcome(Cause.PUBLISH, error=exc)).action is Action.IN_PROGRESS
+                wait = (
+                    _POLICY.decide(Outcome(Cause.PUBLISH, error=exc)).action is Action.IN_PROGRESS
+                )
                 if self.kill_switch is None or not wait:
-                    log.warning("%s: publishing outputs failed, batch will be redelivered: %s", self.consumer, exc)
+                    log.warning(
+                        "%s: publishing outputs failed, batch will be redelivered: %s",
+                        self.consumer,
+                        exc,
+                    )
                     return False
                 # Every output would fail alike: hold them (sent again, deduplicated, later).
                 self.kill_switch.open("server", exc)

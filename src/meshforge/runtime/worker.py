@@ -90,7 +90,9 @@ def load_agent(spec: str) -> Agent[Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"agent {spec!r}: cannot import {module_name!r}: {one_line(exc)}") from exc
+        raise ConfigError(
+            f"agent {spec!r}: cannot import {module_name!r}: {one_line(exc)}"
+        ) from exc
     target: Any = module
     for part in attr.split("."):
         target = getattr(target, part, None)
@@ -303,7 +305,10 @@ class Worker:
                     )
                 )  # fmt: skip
             rounds = [asyncio.Event() for _ in self._ownerships]
-            owning = [asyncio.create_task(o.run(ev)) for o, ev in zip(self._ownerships, rounds, strict=True)]
+            owning = [
+                asyncio.create_task(o.run(ev))
+                for o, ev in zip(self._ownerships, rounds, strict=True)
+            ]
             runs += owning
             await self._wait_ready(runs, stop, rounds)
             if not stop.done():
@@ -320,10 +325,14 @@ class Worker:
                 *(c.stop(settings.shutdown_timeout) for c in self._consumers),
                 *(o.close() for o in self._ownerships),
             )
-            results: list[BaseException | None] = list(await asyncio.gather(*runs, return_exceptions=True))
+            results: list[BaseException | None] = list(
+                await asyncio.gather(*runs, return_exceptions=True)
+            )
             results += [f.exception() for f in failures if f.done()]
             for result in results:
-                if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                if isinstance(result, BaseException) and not isinstance(
+                    result, asyncio.CancelledError
+                ):
                     raise result
         finally:
             stop.cancel()
@@ -365,10 +374,16 @@ class Worker:
             self._store = await asyncio.to_thread(open_store, settings.store_url)
         if settings.partitions and self.deliver_group:
             raise ConfigError("partitions need pull consumers: run without --push/--deliver-group")
-        self._conn = conn = await connect(settings, name=f"meshforge-{'-'.join(a.name for a in self.agents)}")
+        self._conn = conn = await connect(
+            settings, name=f"meshforge-{'-'.join(a.name for a in self.agents)}"
+        )
         conn.on_state.append(self._server_state)
         specs = [agent_consumer(a.name, settings) for a in self.agents]
-        parted = [partition_consumers(a.name, settings) for a in self.agents] if settings.partitions else []
+        parted = (
+            [partition_consumers(a.name, settings) for a in self.agents]
+            if settings.partitions
+            else []
+        )
         # A push consumer is made by its Consumer (it needs the deliver group): streams only.
         pulled = [] if self.deliver_group else specs
         if parted:
@@ -390,7 +405,9 @@ class Worker:
         for spec in consumed:
             self.metrics.prepare_consumer(spec.durable, REASONS)
         for index, (agent, spec) in enumerate(zip(self.agents, specs, strict=True)):
-            holds = Holds(consumer_name(agent.name), present=partial(stream_has, conn.js, STREAM_COMMANDS))
+            holds = Holds(
+                consumer_name(agent.name), present=partial(stream_has, conn.js, STREAM_COMMANDS)
+            )
             switch = self.kill_switch
             engine = Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics,
                             holds=holds, kill_switch=switch)  # fmt: skip
@@ -398,8 +415,15 @@ class Worker:
             if kv is not None:
                 group = parted[index]
                 lanes = [engine] + [
-                    Engine(agent, self._store, publisher, settings=settings, metrics=self.metrics,
-                           holds=holds, kill_switch=switch)
+                    Engine(
+                        agent,
+                        self._store,
+                        publisher,
+                        settings=settings,
+                        metrics=self.metrics,
+                        holds=holds,
+                        kill_switch=switch,
+                    )
                     for _ in range(min(LANES, len(group)) - 1)
                 ]
                 self._engines += lanes[1:]
@@ -427,7 +451,9 @@ class Worker:
                 if _reads_commands(settings):
                     await seed_from_stream(holds, conn.js, spec, engine.slot_of)
             self._consumers.append(consumer)
-        probes = Probes(conn.js, self.metrics, [(s.stream, s.durable) for s in consumed], store=self._store)
+        probes = Probes(
+            conn.js, self.metrics, [(s.stream, s.durable) for s in consumed], store=self._store
+        )
         self._probes = asyncio.create_task(probes.run(self.probe_interval))
 
     @property

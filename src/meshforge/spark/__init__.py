@@ -44,9 +44,12 @@ def _check_local_workers(spark: SparkSession) -> None:
     if not master or not master.startswith("local") or not python:
         return
     try:
-        found = subprocess.run(
-            [python, "-c", "import meshforge"], capture_output=True, timeout=60, check=False
-        ).returncode == 0
+        found = (
+            subprocess.run(
+                [python, "-c", "import meshforge"], capture_output=True, timeout=60, check=False
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         found = False
     if not found:

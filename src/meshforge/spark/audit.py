@@ -61,7 +61,13 @@ class StoreTables:
     @classmethod
     def load(cls, spark: SparkSession, url: str) -> StoreTables:
         def table(name: str) -> DataFrame:
-            return spark.read.format("meshforge_store").option("url", url).option("table", name).load().cache()
+            return (
+                spark.read.format("meshforge_store")
+                .option("url", url)
+                .option("table", name)
+                .load()
+                .cache()
+            )
 
         return cls(effects=table("effects"), outputs=table("outputs"), inbox=table("inbox"))
 
@@ -70,17 +76,23 @@ def _rows(df: DataFrame, limit: int = _MAX_LISTED) -> list[dict[str, Any]]:
     return [r.asDict(recursive=True) for r in df.limit(limit).collect()]
 
 
-def _counted(df: DataFrame, order: list[str], limit: int = _MAX_LISTED) -> tuple[int, list[dict[str, Any]]]:
+def _counted(
+    df: DataFrame, order: list[str], limit: int = _MAX_LISTED
+) -> tuple[int, list[dict[str, Any]]]:
     """The exact row count and the first ``limit`` rows, in one Spark job."""
     total = F.count("*").over(Window.partitionBy(F.lit(1)))
     rows = df.withColumn("_total", total).orderBy(*order).limit(limit).collect()
     if not rows:
         return 0, []
     found = int(rows[0]["_total"])
-    return found, [{k: v for k, v in r.asDict(recursive=True).items() if k != "_total"} for r in rows]
+    return found, [
+        {k: v for k, v in r.asDict(recursive=True).items() if k != "_total"} for r in rows
+    ]
 
 
-def _duplicate_effects(events: DataFrame, store: StoreTables | None) -> tuple[int, list[dict[str, Any]]]:
+def _duplicate_effects(
+    events: DataFrame, store: StoreTables | None
+) -> tuple[int, list[dict[str, Any]]]:
     position = F.udf(_position, IntegerType(), useArrow=False)
     caused = (
         events.where(F.col("causation_id").isNotNull() & F.col("id").isNotNull())
@@ -92,20 +104,36 @@ def _duplicate_effects(events: DataFrame, store: StoreTables | None) -> tuple[in
     known = F.countDistinct(F.when(F.col("position") >= 0, F.col("position")))
     groups = (
         caused.groupBy("causation_id", "type")
-        .agg(F.countDistinct("id").alias("ids"), known.alias("positions"), F.sort_array(F.collect_set("id")).alias("event_ids"))
+        .agg(
+            F.countDistinct("id").alias("ids"),
+            known.alias("positions"),
+            F.sort_array(F.collect_set("id")).alias("event_ids"),
+        )
         .where(F.col("ids") > F.greatest(F.col("positions"), F.lit(1)))
-        .select("causation_id", "type", "event_ids", F.lit("one output landed under several ids").alias("reason"))
+        .select(
+            "causation_id",
+            "type",
+            "event_ids",
+            F.lit("one output landed under several ids").alias("reason"),
+        )
     )
     found = groups
     if store is not None:
-        stored = store.outputs.select(F.col("command_id").alias("causation_id"), F.col("msg_id").alias("id"))
+        stored = store.outputs.select(
+            F.col("command_id").alias("causation_id"), F.col("msg_id").alias("id")
+        )
         commands = stored.select("causation_id").distinct()
         strays = (
             caused.join(commands, "causation_id")
             .join(stored, ["causation_id", "id"], "left_anti")
             .groupBy("causation_id", "type")
             .agg(F.sort_array(F.collect_set("id")).alias("event_ids"))
-            .select("causation_id", "type", "event_ids", F.lit("event is not among the command's stored outputs").alias("reason"))
+            .select(
+                "causation_id",
+                "type",
+                "event_ids",
+                F.lit("event is not among the command's stored outputs").alias("reason"),
+            )
         )
         found = groups.unionByName(strays).dropDuplicates(["causation_id", "type"])
     return _counted(found, ["causation_id", "type"])
@@ -121,8 +149,12 @@ def _doubled_outputs(events: DataFrame) -> tuple[int, list[dict[str, Any]]]:
     doubled = (
         events.where(F.col("id").isNotNull())
         .groupBy("id")
-        .agg(copies.alias("copies"), seqs.alias("seqs"), F.first("causation_id", ignorenulls=True).alias("causation_id"),
-             F.first("type", ignorenulls=True).alias("type"))
+        .agg(
+            copies.alias("copies"),
+            seqs.alias("seqs"),
+            F.first("causation_id", ignorenulls=True).alias("causation_id"),
+            F.first("type", ignorenulls=True).alias("type"),
+        )
         .where(F.col("copies") > 1)
         .select("id", "type", "causation_id", "copies", "seqs")
     )
@@ -132,7 +164,14 @@ def _doubled_outputs(events: DataFrame) -> tuple[int, list[dict[str, Any]]]:
 def _dead_letter_ids(failed: DataFrame) -> DataFrame:
     """Every id a dead letter can be matched by: envelope id, message id, idempotency key."""
     h = F.col("headers")
-    ids = F.array_compact(F.array(F.col("id"), h.getItem("Nats-Msg-Id"), F.col("idempotency_key"), h.getItem("Idempotency-Key")))
+    ids = F.array_compact(
+        F.array(
+            F.col("id"),
+            h.getItem("Nats-Msg-Id"),
+            F.col("idempotency_key"),
+            h.getItem("Idempotency-Key"),
+        )
+    )
     return failed.select(F.explode(ids).alias("dead_id")).distinct()
 
 
@@ -141,7 +180,10 @@ _EFFECT_KEY = ("tenant", "namespace", "consumer", "key")
 
 
 def _missing_effects(
-    events: DataFrame, failed: DataFrame | None, store: StoreTables | None, commands: DataFrame | None
+    events: DataFrame,
+    failed: DataFrame | None,
+    store: StoreTables | None,
+    commands: DataFrame | None,
 ) -> tuple[int | None, int, list[dict[str, Any]]]:
     """(commands known, missing count, first missing); commands is None when unknowable."""
     columns = ["command_id", "key", "type", "subject", "consumer", "status", "deliveries"]
@@ -150,7 +192,13 @@ def _missing_effects(
         inbox = store.inbox.where(F.coalesce(F.col("subject"), F.lit("cmd.")).startswith("cmd."))
         frames.append(
             inbox.join(store.effects.select(*_EFFECT_KEY), list(_EFFECT_KEY), "left_anti").select(
-                F.coalesce("message_id", "key").alias("command_id"), "key", "type", "subject", "consumer", "status", "deliveries"
+                F.coalesce("message_id", "key").alias("command_id"),
+                "key",
+                "type",
+                "subject",
+                "consumer",
+                "status",
+                "deliveries",
             )
         )
         known = inbox.select(F.coalesce("message_id", "key").alias("command_id"))
@@ -166,7 +214,9 @@ def _missing_effects(
         listed = commands.select(F.col("id").alias("command_id"))
         if store is not None:
             scoped = ["tenant", "namespace"]
-            cmd = cmd.join(store.effects.select(*scoped, "command_id"), [*scoped, "command_id"], "left_anti")
+            cmd = cmd.join(
+                store.effects.select(*scoped, "command_id"), [*scoped, "command_id"], "left_anti"
+            )
             cmd = cmd.join(store.effects.select(*scoped, "key"), [*scoped, "key"], "left_anti")
             known = known.unionByName(listed)
         else:
@@ -177,8 +227,16 @@ def _missing_effects(
     candidates = frames[0]
     for frame in frames[1:]:
         candidates = candidates.unionByName(frame)
-    caused = events.select(F.col("causation_id").alias("command_id")).where(F.col("command_id").isNotNull()).distinct()
-    missing = candidates.select(*columns).dropDuplicates(["command_id"]).join(caused, "command_id", "left_anti")
+    caused = (
+        events.select(F.col("causation_id").alias("command_id"))
+        .where(F.col("command_id").isNotNull())
+        .distinct()
+    )
+    missing = (
+        candidates.select(*columns)
+        .dropDuplicates(["command_id"])
+        .join(caused, "command_id", "left_anti")
+    )
     if failed is not None:
         dead = _dead_letter_ids(failed).cache()
         missing = missing.join(dead, missing["command_id"] == dead["dead_id"], "left_anti")
@@ -190,7 +248,9 @@ def _missing_effects(
 def _lost_outputs(events: DataFrame, store: StoreTables | None) -> tuple[int, list[dict[str, Any]]]:
     if store is None:
         return 0, []
-    landed = events.select(F.col("id").alias("msg_id")).where(F.col("msg_id").isNotNull()).distinct()
+    landed = (
+        events.select(F.col("id").alias("msg_id")).where(F.col("msg_id").isNotNull()).distinct()
+    )
     lost = (
         store.outputs.where(F.col("published_at").isNotNull() & F.col("subject").startswith("evt."))
         .select("command_id", "position", "subject", "msg_id")
@@ -208,7 +268,11 @@ def _dead_letters(failed: DataFrame | None) -> dict[str, Any]:
         F.coalesce(h.getItem("Dlq-Original-Subject"), F.regexp_replace("subject", r"^failed\.", "")).alias("subject"),
         h.getItem("Dlq-Error").alias("error"), h.getItem("Dlq-Deliveries").cast("int").alias("deliveries"), "ts",
     )  # fmt: skip
-    groups = dl.groupBy("reason", "subject").agg(F.count("*").alias("n"), F.sum("deliveries").alias("d")).collect()
+    groups = (
+        dl.groupBy("reason", "subject")
+        .agg(F.count("*").alias("n"), F.sum("deliveries").alias("d"))
+        .collect()
+    )
     by_reason: dict[str, int] = {}
     by_subject: dict[str, int] = {}
     for g in groups:
@@ -243,7 +307,11 @@ def _inbox_figures(store: StoreTables) -> tuple[dict[str, Any], dict[str, Any] |
         "redeliveries": int(r["redeliveries"] or 0),
         "max_deliveries": int(r["max_deliveries"] or 0),
     }
-    processing = {"count": int(r["n"]), "p50": r["p"][0], "p90": r["p"][1], "p99": r["p"][2]} if r["n"] else None
+    processing = (
+        {"count": int(r["n"]), "p50": r["p"][0], "p90": r["p"][1], "p99": r["p"][2]}
+        if r["n"]
+        else None
+    )
     return redeliveries, processing
 
 
@@ -253,11 +321,16 @@ def _event_figures(events: DataFrame) -> tuple[dict[str, Any], dict[str, Any]]:
     Latency: the time the stream stored an event minus its ``ts``, which an output
     inherits from the command that caused it: command created to event stored.
     """
-    per_id = events.where(F.col("id").isNotNull()).groupBy("id").agg(
-        F.count("*").alias("copies"),
-        F.first(
-            (F.unix_micros(F.col("ts")) - F.unix_micros(F.col("envelope_ts"))) / 1000.0, ignorenulls=True
-        ).alias("ms"),
+    per_id = (
+        events.where(F.col("id").isNotNull())
+        .groupBy("id")
+        .agg(
+            F.count("*").alias("copies"),
+            F.first(
+                (F.unix_micros(F.col("ts")) - F.unix_micros(F.col("envelope_ts"))) / 1000.0,
+                ignorenulls=True,
+            ).alias("ms"),
+        )
     )
     r = per_id.agg(
         F.sum("copies").alias("rows"),
@@ -272,9 +345,16 @@ def _event_figures(events: DataFrame) -> tuple[dict[str, Any], dict[str, Any]]:
     counts = {"event_ids": int(r["ids"] or 0)}
     latency: dict[str, Any] = {"count": int(r["n"] or 0)}
     if latency["count"]:
-        latency.update(p50=r["p"][0], p90=r["p"][1], p99=r["p"][2], min=r["min"], max=r["max"], mean=r["mean"])
-        latency["histogram"] = _bins(sorted((float(b["x"]), float(b["y"])) for b in r["hist"] or []))
-    copies = {"events_landed_twice": int(r["twice"] or 0), "extra_event_copies": int(r["extra"] or 0)}
+        latency.update(
+            p50=r["p"][0], p90=r["p"][1], p99=r["p"][2], min=r["min"], max=r["max"], mean=r["mean"]
+        )
+        latency["histogram"] = _bins(
+            sorted((float(b["x"]), float(b["y"])) for b in r["hist"] or [])
+        )
+    copies = {
+        "events_landed_twice": int(r["twice"] or 0),
+        "extra_event_copies": int(r["extra"] or 0),
+    }
     return {**counts, **copies}, latency
 
 
@@ -282,7 +362,11 @@ def _bins(centres: list[tuple[float, float]]) -> list[list[float]]:
     """``[low, high, count]`` bins around the approximate histogram's centres."""
     bins = []
     for i, (x, y) in enumerate(centres):
-        low = (centres[i - 1][0] + x) / 2 if i else max(0.0, x - (centres[1][0] - x) / 2 if len(centres) > 1 else 0.0)
+        low = (
+            (centres[i - 1][0] + x) / 2
+            if i
+            else max(0.0, x - (centres[1][0] - x) / 2 if len(centres) > 1 else 0.0)
+        )
         high = (x + centres[i + 1][0]) / 2 if i + 1 < len(centres) else x + (x - low)
         bins.append([low, high, round(y)])
     return bins
@@ -297,7 +381,14 @@ def _timeline(events: DataFrame, failed: DataFrame | None) -> list[dict[str, Any
     else:
         ev = ev.withColumn("dead_letters", F.lit(0))
     rows = ev.fillna(0).orderBy("minute").limit(2000).collect()
-    return [{"minute": r["minute"].isoformat(), "events": int(r["events"]), "dead_letters": int(r["dead_letters"])} for r in rows]
+    return [
+        {
+            "minute": r["minute"].isoformat(),
+            "events": int(r["events"]),
+            "dead_letters": int(r["dead_letters"]),
+        }
+        for r in rows
+    ]
 
 
 def compute(
@@ -329,7 +420,10 @@ def compute(
     doubled_count, doubled = _doubled_outputs(events)
     known, missing_count, missing = _missing_effects(events, failed, store, commands)
     lost_count, lost = _lost_outputs(events, store)
-    types = {r["type"] or "(malformed)": int(r["count"]) for r in events.groupBy("type").count().collect()}
+    types = {
+        r["type"] or "(malformed)": int(r["count"])
+        for r in events.groupBy("type").count().collect()
+    }
     event_counts, latency = _event_figures(events)
     dead = _dead_letters(failed)
     redeliveries = {k: v for k, v in event_counts.items() if k != "event_ids"}
@@ -353,7 +447,10 @@ def compute(
             "lost_outputs": lost_count,
         },
         "violations": {
-            "duplicate_effects": dups, "doubled_outputs": doubled, "missing_effects": missing, "lost_outputs": lost,
+            "duplicate_effects": dups,
+            "doubled_outputs": doubled,
+            "missing_effects": missing,
+            "lost_outputs": lost,
         },
         "dead_letters": dead,
         "redeliveries": redeliveries,
@@ -369,5 +466,7 @@ def compute(
         " the store keeps effects only for effect_retention",
     }
     if known is None:
-        findings["notes"] = ["no store and no commands table: commands without an effect were not checked"]
+        findings["notes"] = [
+            "no store and no commands table: commands without an effect were not checked"
+        ]
     return findings

@@ -88,7 +88,15 @@ def read_range(
 class _Pull:
     """One ephemeral consumer and its inbox; collects one pull request at a time."""
 
-    def __init__(self, client: SyncNats, stream: str, start: int, last: int, filter_subject: str | None, batch: int) -> None:
+    def __init__(
+        self,
+        client: SyncNats,
+        stream: str,
+        start: int,
+        last: int,
+        filter_subject: str | None,
+        batch: int,
+    ) -> None:
         self.client = client
         self.stream = stream
         self.last = last
@@ -109,7 +117,9 @@ class _Pull:
         nc = self.client.nc
         self.inbox = nc.new_inbox()
         # unbounded pending queue: the pull batch already bounds what is in flight
-        self.sub = await nc.subscribe(self.inbox, cb=self._on_msg, pending_msgs_limit=0, pending_bytes_limit=0)
+        self.sub = await nc.subscribe(
+            self.inbox, cb=self._on_msg, pending_msgs_limit=0, pending_bytes_limit=0
+        )
         config: dict[str, object] = {
             "name": self.name,
             "deliver_policy": "by_start_sequence",
@@ -248,7 +258,9 @@ def _add(chunk: Chunk, message: dict[str, object]) -> None:
     chunk.data.append(base64.b64decode(str(data)) if data else b"")
 
 
-async def _get(client: SyncNats, stream: str, request: dict[str, object]) -> dict[str, object] | None:
+async def _get(
+    client: SyncNats, stream: str, request: dict[str, object]
+) -> dict[str, object] | None:
     try:
         answer = await client.api(f"$JS.API.STREAM.MSG.GET.{stream}", request)
     except JetStreamApiError as exc:
@@ -259,14 +271,18 @@ async def _get(client: SyncNats, stream: str, request: dict[str, object]) -> dic
     return message if isinstance(message, dict) else None
 
 
-def _get_range(client: SyncNats, stream: str, first: int, last: int, filter_subject: str | None) -> Iterator[Chunk]:
+def _get_range(
+    client: SyncNats, stream: str, first: int, last: int, filter_subject: str | None
+) -> Iterator[Chunk]:
     seq = first
     while seq <= last:
         chunk = Chunk()
         if filter_subject:
             # the server skips to the next match; one request per kept message
             while seq <= last and len(chunk) < _GET_WINDOW:
-                message = client.run(_get(client, stream, {"seq": seq, "next_by_subj": filter_subject}))
+                message = client.run(
+                    _get(client, stream, {"seq": seq, "next_by_subj": filter_subject})
+                )
                 if message is None or int(str(message["seq"])) > last:
                     seq = last + 1
                     break

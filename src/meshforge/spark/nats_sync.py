@@ -85,9 +85,13 @@ class ConnOptions(AuthSettings):
         options = lower_keys(options)
         raw = options.get("servers") or os.environ.get("MESHFORGE_NATS_URL")
         if not raw:
-            raise ConfigError("jetstream: option 'servers' is required (e.g. nats://127.0.0.1:4222)")
+            raise ConfigError(
+                "jetstream: option 'servers' is required (e.g. nats://127.0.0.1:4222)"
+            )
         servers = tuple(s.strip() for s in str(raw).split(",") if s.strip())
-        given: dict[str, object] = {key: options.get(_OPTION_NAMES.get(key, key)) for key in AUTH_FIELDS}
+        given: dict[str, object] = {
+            key: options.get(_OPTION_NAMES.get(key, key)) for key in AUTH_FIELDS
+        }
         given["inbox_prefix"] = given["inbox_prefix"] or os.environ.get("MESHFORGE_INBOX_PREFIX")
         auth = load_auth(given, prefix=_PREFIX, names=_OPTION_NAMES)
         conn = cls(
@@ -119,7 +123,9 @@ class ConnOptions(AuthSettings):
             return nats_auth_options(self, label="jetstream")
         except ConfigError as exc:
             message = str(exc)
-            raise ConfigError(message if message.startswith(_PREFIX) else _PREFIX + message) from None
+            raise ConfigError(
+                message if message.startswith(_PREFIX) else _PREFIX + message
+            ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,14 +220,18 @@ class SyncNats:
                 f"NATS at {self.conn.url}: no answer within {timeout:g}s"
             ) from None
 
-    async def api(self, subject: str, payload: Mapping[str, Any] | None = None, wait: float = 5.0) -> dict[str, Any]:
+    async def api(
+        self, subject: str, payload: Mapping[str, Any] | None = None, wait: float = 5.0
+    ) -> dict[str, Any]:
         """A JetStream API request; raises JetStreamApiError on an error answer."""
         body = json.dumps(payload).encode() if payload is not None else b""
         try:
             msg = await self.nc.request(subject, body, timeout=wait)
         except Exception as exc:
             # A forbidden request is not answered; the server's -ERR says why.
-            last = str(getattr(self.nc, "last_error", None) or "").lower()  # the client lower-cases it
+            last = str(
+                getattr(self.nc, "last_error", None) or ""
+            ).lower()  # the client lower-cases it
             if "permissions violation" in last and f'"{subject.lower()}"' in last:
                 raise ConnectionFailed(
                     f"JetStream API {subject}: permissions violation for publish to {subject!r};"
@@ -246,9 +256,7 @@ class SyncNats:
             answer = await self.api(f"$JS.API.STREAM.INFO.{stream}")
         except JetStreamApiError as exc:
             if exc.err_code == _NOT_FOUND or exc.code == 404:
-                raise MissingTopology(
-                    f"stream {stream!r} not found on {self.conn.url}"
-                ) from None
+                raise MissingTopology(f"stream {stream!r} not found on {self.conn.url}") from None
             raise
         config, state = answer.get("config", {}), answer.get("state", {})
         return StreamInfo(
@@ -296,6 +304,9 @@ class SyncNats:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()

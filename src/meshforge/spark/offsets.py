@@ -24,7 +24,14 @@ from pyspark.sql.datasource import InputPartition
 from meshforge.errors import ConfigError
 from meshforge.spark.nats_sync import StreamInfo, SyncNats, lower_keys
 
-__all__ = ["DataLossError", "ReadOptions", "SeqRange", "check_data_loss", "resolve_offset", "split_range"]
+__all__ = [
+    "DataLossError",
+    "ReadOptions",
+    "SeqRange",
+    "check_data_loss",
+    "resolve_offset",
+    "split_range",
+]
 
 log = logging.getLogger("meshforge.spark")
 
@@ -103,7 +110,8 @@ class ReadOptions:
             envelope=_bool(options, "envelope", False),
             partitions=_int(options, "partitions"),
             min_partitions=_int(options, "minPartitions") or 1,
-            messages_per_partition=_int(options, "messagesPerPartition") or DEFAULT_MESSAGES_PER_PARTITION,
+            messages_per_partition=_int(options, "messagesPerPartition")
+            or DEFAULT_MESSAGES_PER_PARTITION,
             starting=options.get("startingoffsets"),
             ending=options.get("endingoffsets"),
             max_per_trigger=_int(options, "maxMessagesPerTrigger"),
@@ -125,7 +133,9 @@ def _parse_time(text: str) -> str | None:
     return parsed.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def resolve_offset(spec: str | None, default: str, info: StreamInfo, client: SyncNats, what: str) -> int:
+def resolve_offset(
+    spec: str | None, default: str, info: StreamInfo, client: SyncNats, what: str
+) -> int:
     """The sequence an offset option stands for (``latest`` = the next sequence)."""
     text = (spec if spec is not None else default).strip()
     low = text.lower()
@@ -139,15 +149,19 @@ def resolve_offset(spec: str | None, default: str, info: StreamInfo, client: Syn
         except ValueError:
             raise ConfigError(f"jetstream: option {what!r} is not valid JSON: {text!r}") from None
         if not isinstance(parsed, dict) or info.name not in parsed:
-            raise ConfigError(f"jetstream: option {what!r} must name stream {info.name!r}, got {text!r}")
+            raise ConfigError(
+                f"jetstream: option {what!r} must name stream {info.name!r}, got {text!r}"
+            )
         value = parsed[info.name]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"jetstream: option {what!r}: sequence must be a positive integer, got {value!r}")
+            raise ConfigError(
+                f"jetstream: option {what!r}: sequence must be a positive integer, got {value!r}"
+            )
         return value
     when = _parse_time(text)
     if when is None:
         raise ConfigError(
-            f"jetstream: option {what!r} must be earliest, latest, {{\"{info.name}\": seq}} "
+            f'jetstream: option {what!r} must be earliest, latest, {{"{info.name}": seq}} '
             f"or a time, got {text!r}"
         )
     return client.seq_at_time(info.name, when)
@@ -158,7 +172,9 @@ def split_range(start: int, end: int, opts: ReadOptions) -> list[SeqRange]:
     span = end - start
     if span <= 0:
         return []
-    count = opts.partitions or max(opts.min_partitions, math.ceil(span / opts.messages_per_partition))
+    count = opts.partitions or max(
+        opts.min_partitions, math.ceil(span / opts.messages_per_partition)
+    )
     count = max(1, min(count, span))
     size, extra = divmod(span, count)
     ranges, first = [], start

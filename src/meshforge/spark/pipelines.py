@@ -47,7 +47,10 @@ Progress = Callable[[int, int | None, str], None]
 
 
 def spark_session(
-    master: str | None = None, *, app_name: str = "meshforge-pipeline", conf: Mapping[str, str] | None = None
+    master: str | None = None,
+    *,
+    app_name: str = "meshforge-pipeline",
+    conf: Mapping[str, str] | None = None,
 ) -> SparkSession:
     """A SparkSession with MeshForge's sources registered.
 
@@ -66,7 +69,11 @@ def spark_session(
         # Local mode talks to itself only: keep the driver on loopback, not the host's address.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     settings = {
-        **({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"} if local else {}),
+        **(
+            {"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"}
+            if local
+            else {}
+        ),
         "spark.sql.session.timeZone": "UTC",
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.shuffle.partitions": "8",
@@ -120,7 +127,11 @@ def ingest(
     checkpoint = str(checkpoint or Path(output) / "_checkpoint")
     with SyncNats(ConnOptions.from_options(_reader_options(servers, stream, options))) as client:
         client.stream_info(stream)  # a missing stream is one clear line, not a Spark trace
-    read_opts = {"startingOffsets": "earliest", "envelope": "true", **_reader_options(servers, stream, options)}
+    read_opts = {
+        "startingOffsets": "earliest",
+        "envelope": "true",
+        **_reader_options(servers, stream, options),
+    }
     if max_messages_per_trigger:
         read_opts["maxMessagesPerTrigger"] = str(max_messages_per_trigger)
     df = spark.readStream.format("jetstream").options(**read_opts).load()
@@ -203,15 +214,23 @@ class AuditResult:
     html_path: Path
 
 
-def _table(spark: SparkSession, source: str | DataFrame | None, servers: str | None, what: str) -> DataFrame | None:
+def _table(
+    spark: SparkSession, source: str | DataFrame | None, servers: str | None, what: str
+) -> DataFrame | None:
     """A Parquet path, a DataFrame, or (with ``servers``) a stream name read in batch."""
     if source is None or isinstance(source, DataFrame):
         return source
     if Path(source).exists():
         return spark.read.parquet(source)
     if servers and source.replace("_", "").isalnum():
-        return spark.read.format("jetstream").options(servers=servers, stream=source, envelope="true").load()
-    raise ConfigError(f"audit: {what} {source!r} is neither a Parquet table nor (with servers) a stream")
+        return (
+            spark.read.format("jetstream")
+            .options(servers=servers, stream=source, envelope="true")
+            .load()
+        )
+    raise ConfigError(
+        f"audit: {what} {source!r} is neither a Parquet table nor (with servers) a stream"
+    )
 
 
 def audit(
@@ -258,7 +277,9 @@ def audit(
     step(3, "writing the report")
     json_path, html_path = write_report(findings, output_dir)
     step(4, "done")
-    return AuditResult(ok=bool(findings["ok"]), findings=findings, json_path=json_path, html_path=html_path)
+    return AuditResult(
+        ok=bool(findings["ok"]), findings=findings, json_path=json_path, html_path=html_path
+    )
 
 
 # --- replay ------------------------------------------------------------------------
@@ -333,7 +354,9 @@ def replay(
         df = df.orderBy(*order)
     if limit:
         df = df.limit(limit)
-    opts = WriteOptions.from_options({**(options or {}), **({"subject": subject} if subject else {})}, df.schema)
+    opts = WriteOptions.from_options(
+        {**(options or {}), **({"subject": subject} if subject else {})}, df.schema
+    )
     total = df.count()
     result = ReplayResult(dry_run=dry_run)
     if progress is not None:
@@ -344,14 +367,22 @@ def replay(
         subj = row.get(opts.subject_column) if opts.subject_column else None
         headers = row.get(opts.headers_column) if opts.headers_column else None
         msg_id = row.get(opts.msg_id_column) if opts.msg_id_column else None
-        return outgoing(opts, subj, row.get(opts.data_column), headers, msg_id, [row.get(k) for k in keys])
+        return outgoing(
+            opts, subj, row.get(opts.data_column), headers, msg_id, [row.get(k) for k in keys]
+        )
 
     if dry_run:
         for row in _replay_rows(df):
             message = to_message(row)
             result.rows += 1
             if len(result.sample) < 10:
-                result.sample.append({"subject": message.subject, "msg_id": message.msg_id, "bytes": len(message.data)})
+                result.sample.append(
+                    {
+                        "subject": message.subject,
+                        "msg_id": message.msg_id,
+                        "bytes": len(message.data),
+                    }
+                )
             if progress is not None and result.rows % 1000 == 0:
                 progress(result.rows, total, "dry run")
         if progress is not None:
@@ -384,5 +415,7 @@ def replay(
         if window:
             flush()
     result.rows, result.stored, result.duplicates = report.rows, report.stored, report.duplicates
-    log.info("replay: %d rows, %d stored, %d duplicates", result.rows, result.stored, result.duplicates)
+    log.info(
+        "replay: %d rows, %d stored, %d duplicates", result.rows, result.stored, result.duplicates
+    )
     return result

@@ -61,7 +61,9 @@ def histogram_svg(bins: list[list[float]], title: str = "latency (ms)") -> str:
     return _frame("".join(bars + labels), title)
 
 
-def timeline_svg(points: list[dict[str, Any]], series: tuple[str, ...] = ("events", "dead_letters")) -> str:
+def timeline_svg(
+    points: list[dict[str, Any]], series: tuple[str, ...] = ("events", "dead_letters")
+) -> str:
     """One polyline per series over the minutes of ``points``."""
     if not points:
         return "<p class=muted>no data</p>"
@@ -73,7 +75,14 @@ def timeline_svg(points: list[dict[str, Any]], series: tuple[str, ...] = ("event
         ys = [_H - _PAD - int(p.get(name, 0)) / top * (_H - _PAD - 16) for p in points]
         coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys, strict=True))
         parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{coords}"/>')
-        parts += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>' for x, y in zip(xs, ys, strict=True)] if n < 60 else []
+        parts += (
+            [
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>'
+                for x, y in zip(xs, ys, strict=True)
+            ]
+            if n < 60
+            else []
+        )
     legend = "".join(
         f'<text x="{_W - 150}" y="{18 + 14 * i}" font-size="11" fill="{c}">&#9632; {_e(s)}</text>'
         for i, (c, s) in enumerate(zip(_COLORS, series, strict=False))
@@ -111,12 +120,18 @@ def _table(rows: list[dict[str, Any]], empty: str) -> str:
         return f"<p class=good>{_e(empty)}</p>"
     cols = list(rows[0].keys())
     head = "".join(f"<th>{_e(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{_e(_fmt(r.get(c)))}</td>" for c in cols) + "</tr>" for r in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_e(_fmt(r.get(c)))}</td>" for c in cols) + "</tr>" for r in rows
+    )
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def _kv(items: dict[str, Any]) -> str:
-    return "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(_fmt(v))}</td></tr>" for k, v in items.items()) + "</table>"
+    return (
+        "<table>"
+        + "".join(f"<tr><th>{_e(k)}</th><td>{_e(_fmt(v))}</td></tr>" for k, v in items.items())
+        + "</table>"
+    )
 
 
 _CSS = """
@@ -149,22 +164,42 @@ def render_html(findings: dict[str, Any]) -> str:
         ("dead letters", dl.get("total"), False), ("p50 latency ms", lat.get("p50"), False),
         ("p99 latency ms", lat.get("p99"), False),
     ]  # fmt: skip
-    kpi_html = "".join(f'<div class="kpi{" bad" if bad else ""}"><b>{_e(_fmt(val))}</b>{_e(name)}</div>' for name, val, bad in kpis)
+    kpi_html = "".join(
+        f'<div class="kpi{" bad" if bad else ""}"><b>{_e(_fmt(val))}</b>{_e(name)}</div>'
+        for name, val, bad in kpis
+    )
     verdict = "Exactly-once holds" if ok else "Exactly-once VIOLATED"
     latency_rows = {k: lat.get(k) for k in ("count", "min", "p50", "p90", "p99", "max", "mean")}
     if "processing" in lat:
         latency_rows.update({f"handler {k}": val for k, val in lat["processing"].items()})
     notes = "".join(f"<p class=muted>{_e(n)}</p>" for n in findings.get("notes", []))
     sections = [
-        ("End-to-end latency (stored time minus the command's ts)", histogram_svg(lat.get("histogram", [])) + _kv(latency_rows)),
+        (
+            "End-to-end latency (stored time minus the command's ts)",
+            histogram_svg(lat.get("histogram", [])) + _kv(latency_rows),
+        ),
         ("Events and dead letters per minute", timeline_svg(findings.get("timeline", []))),
         ("Dead letters by reason", hbars_svg(dl.get("by_reason", {}), "dead letters by reason")),
-        ("Dead letters by subject", _kv(dl.get("by_subject", {})) if dl.get("by_subject") else "<p class=muted>none</p>"),
-        ("Duplicate effects", _table(v.get("duplicate_effects", []), "none: every output landed under one id")),
-        ("Doubled outputs (one id stored as several stream messages)",
-         _table(v.get("doubled_outputs", []), "none: every output is stored once")),
-        ("Commands without an effect (not dead-lettered)", _table(v.get("missing_effects", []), "none") + notes),
-        ("Lost outputs (stored, marked published, never landed)", _table(v.get("lost_outputs", []), "none")),
+        (
+            "Dead letters by subject",
+            _kv(dl.get("by_subject", {})) if dl.get("by_subject") else "<p class=muted>none</p>",
+        ),
+        (
+            "Duplicate effects",
+            _table(v.get("duplicate_effects", []), "none: every output landed under one id"),
+        ),
+        (
+            "Doubled outputs (one id stored as several stream messages)",
+            _table(v.get("doubled_outputs", []), "none: every output is stored once"),
+        ),
+        (
+            "Commands without an effect (not dead-lettered)",
+            _table(v.get("missing_effects", []), "none") + notes,
+        ),
+        (
+            "Lost outputs (stored, marked published, never landed)",
+            _table(v.get("lost_outputs", []), "none"),
+        ),
         ("Redeliveries", _kv(findings.get("redeliveries", {}))),
         ("Events by type", hbars_svg(c.get("events_by_type", {}), "events by type")),
         ("Dead letter examples", _table(dl.get("examples", []), "none")),
@@ -186,6 +221,8 @@ def write_report(findings: dict[str, Any], output_dir: str | Path) -> tuple[Path
     out.mkdir(parents=True, exist_ok=True)
     findings.setdefault("generated_at", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
     json_path, html_path = out / "audit.json", out / "audit.html"
-    json_path.write_text(json.dumps(findings, indent=2, default=str, sort_keys=False) + "\n", encoding="utf-8")
+    json_path.write_text(
+        json.dumps(findings, indent=2, default=str, sort_keys=False) + "\n", encoding="utf-8"
+    )
     html_path.write_text(render_html(findings), encoding="utf-8")
     return json_path, html_path

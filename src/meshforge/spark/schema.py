@@ -39,7 +39,13 @@ _ENVELOPE_STRINGS = (
     "id", "type", "source", "tenant_id", "resource_type", "resource_id", "idempotency_key",
     "causation_id", "correlation_id", "trace_id", "span_id",
 )  # fmt: skip
-ENVELOPE_COLUMNS = (*_ENVELOPE_STRINGS, "envelope_ts", "schema_version", "payload", "envelope_error")
+ENVELOPE_COLUMNS = (
+    *_ENVELOPE_STRINGS,
+    "envelope_ts",
+    "schema_version",
+    "payload",
+    "envelope_error",
+)
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -106,7 +112,9 @@ def _envelope_columns(chunk: Chunk) -> dict[str, list[Any]]:
     return cols
 
 
-def to_record_batch(stream: str, chunk: Chunk, schema: pa.Schema, *, envelope: bool = False) -> pa.RecordBatch:
+def to_record_batch(
+    stream: str, chunk: Chunk, schema: pa.Schema, *, envelope: bool = False
+) -> pa.RecordBatch:
     """One Arrow record batch of ``chunk`` in the layout of ``schema``."""
     n = len(chunk)
     ts_type = schema.field("ts").type

@@ -63,12 +63,18 @@ log = logging.getLogger("meshforge.spark")
 _IDLE = 60.0  # seconds a driver-side connection may sit unused before it is renewed
 
 
-def _read_partition(conn: ConnOptions, opts: ReadOptions, schema: StructType, part: SeqRange) -> Iterator[pa.RecordBatch]:
+def _read_partition(
+    conn: ConnOptions, opts: ReadOptions, schema: StructType, part: SeqRange
+) -> Iterator[pa.RecordBatch]:
     """Executor side: one partition's messages as Arrow record batches."""
     target = arrow_schema(schema)
     with SyncNats(conn) as client:
         info = client.stream_info(opts.stream)
-        first = check_data_loss(info, part.first, opts.fail_on_data_loss) if part.check_loss else part.first
+        first = (
+            check_data_loss(info, part.first, opts.fail_on_data_loss)
+            if part.check_loss
+            else part.first
+        )
         for chunk in read_range(
             client,
             opts.stream,
@@ -90,7 +96,11 @@ class JetStreamDataSource(DataSource):
         return "jetstream"
 
     def schema(self) -> StructType:
-        envelope = str(self.options.get("envelope", "false")).strip().lower() in ("true", "1", "yes")
+        envelope = str(self.options.get("envelope", "false")).strip().lower() in (
+            "true",
+            "1",
+            "yes",
+        )
         return row_schema(envelope=envelope)
 
     def reader(self, schema: StructType) -> DataSourceReader:
@@ -123,7 +133,9 @@ class JetStreamBatchReader(DataSourceReader):
             info = client.stream_info(self.opts.stream)
             start = resolve_offset(self.opts.starting, "earliest", info, client, "startingOffsets")
             end = resolve_offset(self.opts.ending, "latest", info, client, "endingOffsets")
-        explicit = self.opts.starting is not None and self.opts.starting.strip().lower() != "earliest"
+        explicit = (
+            self.opts.starting is not None and self.opts.starting.strip().lower() != "earliest"
+        )
         if explicit:
             start = check_data_loss(info, start, self.opts.fail_on_data_loss)
         ranges = split_range(start, min(end, info.next_seq), self.opts)
@@ -158,7 +170,9 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def _info(self) -> tuple[StreamInfo, SyncNats]:
         # between micro-batches the server may have gone and come back (the client does
         # not reconnect by itself): renew after a pause, and once more on failure
-        if self._client is not None and (not self._client.connected or time.monotonic() - self._used > _IDLE):
+        if self._client is not None and (
+            not self._client.connected or time.monotonic() - self._used > _IDLE
+        ):
             self._client.close()
             self._client = None
         for attempt in (1, 2):

@@ -57,10 +57,14 @@ def check_options(options: dict[str, str]) -> tuple[str, str]:
     """The store URL and table name, validated; ConfigError naming the problem."""
     url = options.get("url") or ""
     if not url:
-        raise ConfigError("meshforge_store: option 'url' is required (sqlite:///... or postgresql://...)")
+        raise ConfigError(
+            "meshforge_store: option 'url' is required (sqlite:///... or postgresql://...)"
+        )
     table = (options.get("table") or "").lower()
     if table not in TABLES:
-        raise ConfigError(f"meshforge_store: option 'table' must be one of {sorted(TABLES)}, got {table!r}")
+        raise ConfigError(
+            f"meshforge_store: option 'table' must be one of {sorted(TABLES)}, got {table!r}"
+        )
     if url.startswith("sqlite:///") and ":memory:" not in url:
         path = Path(url[len("sqlite:///") :])
         if not path.is_file():

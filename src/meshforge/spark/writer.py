@@ -107,7 +107,9 @@ class WriteOptions:
             try:
                 return float(raw) if raw not in (None, "") else default
             except ValueError:
-                raise ConfigError(f"jetstream sink: option {name!r} must be a number, got {raw!r}") from None
+                raise ConfigError(
+                    f"jetstream sink: option {name!r} must be a number, got {raw!r}"
+                ) from None
 
         subject = options.get("subject") or None
         if subject:
@@ -128,7 +130,9 @@ class WriteOptions:
             if not isinstance(schema["headers"].dataType, MapType):
                 raise ConfigError("jetstream sink: column 'headers' must be a map<string,string>")
             headers_column = "headers"
-        msg_id_column = options.get("msgidcolumn") or next((c for c in ("msg_id", "id") if c in names), None)
+        msg_id_column = options.get("msgidcolumn") or next(
+            (c for c in ("msg_id", "id") if c in names), None
+        )
         if msg_id_column and msg_id_column not in names:
             raise ConfigError(f"jetstream sink: msgIdColumn {msg_id_column!r} is not a column")
         keys = tuple(k.strip() for k in (options.get("keycolumns") or "").split(",") if k.strip())
@@ -178,12 +182,21 @@ def _rows(batch: pa.RecordBatch, opts: WriteOptions) -> list[_Outgoing]:
         return batch.column(batch.schema.get_field_index(name)).to_pylist() if name else [None] * n
 
     subjects = column(None if opts.subject else opts.subject_column)
-    bodies, headers, ids = column(opts.data_column), column(opts.headers_column), column(opts.msg_id_column)
+    bodies, headers, ids = (
+        column(opts.data_column),
+        column(opts.headers_column),
+        column(opts.msg_id_column),
+    )
     keys = [column(k) for k in opts.key_columns]
-    return [outgoing(opts, subjects[i], bodies[i], headers[i], ids[i], [k[i] for k in keys]) for i in range(n)]
+    return [
+        outgoing(opts, subjects[i], bodies[i], headers[i], ids[i], [k[i] for k in keys])
+        for i in range(n)
+    ]
 
 
-async def publish_window(client: SyncNats, items: list[_Outgoing], opts: WriteOptions, report: PublishReport) -> None:
+async def publish_window(
+    client: SyncNats, items: list[_Outgoing], opts: WriteOptions, report: PublishReport
+) -> None:
     """Publish ``items`` together; failed ones again with the same ids, then raise.
 
     A row too large for the server is refused before anything of the window is sent:
@@ -191,13 +204,20 @@ async def publish_window(client: SyncNats, items: list[_Outgoing], opts: WriteOp
     """
     js = client.js
     max_payload = getattr(client.nc, "max_payload", 0)
-    limits = SizeLimits(max_payload=max_payload) if isinstance(max_payload, int) and max_payload > 0 else SizeLimits()
+    limits = (
+        SizeLimits(max_payload=max_payload)
+        if isinstance(max_payload, int) and max_payload > 0
+        else SizeLimits()
+    )
     for item in items:
         check_fits(item.subject, item.data, item.headers, limits)
     pending = items
     for attempt in range(1, opts.attempts + 1):
         results = await asyncio.gather(
-            *(js.publish(o.subject, o.data, timeout=opts.timeout, headers=o.headers) for o in pending),
+            *(
+                js.publish(o.subject, o.data, timeout=opts.timeout, headers=o.headers)
+                for o in pending
+            ),
             return_exceptions=True,
         )
         failed: list[tuple[_Outgoing, BaseException]] = []
@@ -222,7 +242,9 @@ async def publish_window(client: SyncNats, items: list[_Outgoing], opts: WriteOp
         await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
 
 
-def publish_batches(conn: ConnOptions, opts: WriteOptions, batches: Iterator[pa.RecordBatch]) -> PublishReport:
+def publish_batches(
+    conn: ConnOptions, opts: WriteOptions, batches: Iterator[pa.RecordBatch]
+) -> PublishReport:
     """Executor side: publish every row, window by window; counts in the report."""
     report = PublishReport()
     started = time.monotonic()
@@ -241,7 +263,9 @@ def publish_batches(conn: ConnOptions, opts: WriteOptions, batches: Iterator[pa.
     return report
 
 
-def _commit(opts: WriteOptions, messages: Sequence[WriterCommitMessage | None], batch_id: int | None) -> dict[str, Any]:
+def _commit(
+    opts: WriteOptions, messages: Sequence[WriterCommitMessage | None], batch_id: int | None
+) -> dict[str, Any]:
     reports = [m for m in messages if isinstance(m, PublishReport)]
     total: dict[str, Any] = {
         "batch_id": batch_id,
@@ -252,7 +276,10 @@ def _commit(opts: WriteOptions, messages: Sequence[WriterCommitMessage | None], 
     }
     log.info(
         "jetstream sink committed%s: %d rows, %d stored, %d duplicates",
-        "" if batch_id is None else f" batch {batch_id}", total["rows"], total["stored"], total["duplicates"],
+        "" if batch_id is None else f" batch {batch_id}",
+        total["rows"],
+        total["stored"],
+        total["duplicates"],
     )
     if opts.report_path:
         with open(opts.report_path, "a", encoding="utf-8") as fh:

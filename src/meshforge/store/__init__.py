@@ -91,7 +91,9 @@ def open_existing_store(url: str, *, clock: Clock | None = None) -> Store:
 
         path = sqlite_url(url)[0]
         if path == MEMORY or not Path(path).is_file():
-            raise ConfigError(f"no store at {path}: give the --store (MESHFORGE_STORE_URL) the worker used")
+            raise ConfigError(
+                f"no store at {path}: give the --store (MESHFORGE_STORE_URL) the worker used"
+            )
     elif isinstance(url, str) and url.startswith(("postgresql:", "postgres:")):
         import psycopg
 
@@ -103,7 +105,9 @@ def open_existing_store(url: str, *, clock: Clock | None = None) -> Store:
             with psycopg.connect(conninfo, connect_timeout=10) as conn:
                 row = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
         except psycopg.Error as exc:
-            raise StoreError(f"cannot open PostgreSQL store {redact(url)}: {one_line(exc)}") from exc
+            raise StoreError(
+                f"cannot open PostgreSQL store {redact(url)}: {one_line(exc)}"
+            ) from exc
         if row is None or row[0] is None:
             raise ConfigError(
                 f"no MeshForge store in {redact(url)}: give the --store (MESHFORGE_STORE_URL) the worker used"

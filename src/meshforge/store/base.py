@@ -74,6 +74,7 @@ def quick_init(cls: C) -> C:
     setattr(cls, "__init__", init)  # noqa: B010  (a class, not an instance)
     return cls
 
+
 InboxStatus = Literal["received", "processing", "processed", "failed"]
 OutboxState = Literal["pending", "publishing", "sent", "failed"]
 DialectName = Literal["sqlite", "postgresql"]

@@ -87,7 +87,9 @@ class BatchMethods:
             self._run.rows(self._d.resources_lock, (lock_names(agent, slots),))
         if self._d.embedded:
             for scope, names in _by_scope(slots).items():
-                for resource_id, data in self._run.each(_STATES_GET_ONE_SCOPE, names, (*scope, agent)):
+                for resource_id, data in self._run.each(
+                    _STATES_GET_ONE_SCOPE, names, (*scope, agent)
+                ):
                     found[(scope, resource_id)] = bytes(data)
             return found
         rows = self._run.each(
@@ -109,7 +111,9 @@ class BatchMethods:
             " SET data = excluded.data, position = excluded.position,"
             " updated_at = excluded.updated_at"
         )
-        columns = "meshforge_states (tenant, namespace, agent, resource_id, data, position, updated_at)"
+        columns = (
+            "meshforge_states (tenant, namespace, agent, resource_id, data, position, updated_at)"
+        )
         if self._d.arrays:
             # Five arrays instead of seven values a row: far less to bind.
             self._run.rows(
@@ -146,10 +150,14 @@ class BatchMethods:
         found: dict[Scoped, list[StoredOutput] | None] = dict.fromkeys(wanted)
         if self._d.embedded:
             for scope, keys_ in _by_scope(wanted).items():
-                for key, outputs in self._run.each(_EFFECTS_GET_ONE_SCOPE, keys_, (*scope, consumer)):
+                for key, outputs in self._run.each(
+                    _EFFECTS_GET_ONE_SCOPE, keys_, (*scope, consumer)
+                ):
                     found[(scope, key)] = unpack_outputs(outputs)
             return found
-        rows = self._run.each(EFFECTS_GET, [(s.tenant, s.namespace, consumer, k) for s, k in wanted])
+        rows = self._run.each(
+            EFFECTS_GET, [(s.tenant, s.namespace, consumer, k) for s, k in wanted]
+        )
         for tenant, namespace, key, outputs in rows:
             found[(Scope(tenant, namespace), key)] = unpack_outputs(outputs)
         return found
@@ -189,14 +197,18 @@ class BatchMethods:
                 scope, key = next(k for k in seen if k not in stored)
                 raise self._duplicate(consumer, f"key {key!r} in {scope} is already stored")
 
-    def _effects_put_embedded(self, consumer: str, effects: Sequence[NewEffect], target: str) -> None:
+    def _effects_put_embedded(
+        self, consumer: str, effects: Sequence[NewEffect], target: str
+    ) -> None:
         """``effects_put`` for SQLite: a scope's tenant and namespace, the consumer and the
         time bound once a statement. A key already stored fails one statement, which undoes
         only itself: the keys of its rows found stored now are the ones stored before."""
         blob = self._blob
         by_scope: dict[Scope, list[tuple[Any, ...]]] = {}
         for e in effects:
-            by_scope.setdefault(e.scope, []).append((e.key, e.command_id, blob(pack_outputs(e.outputs))))
+            by_scope.setdefault(e.scope, []).append(
+                (e.key, e.command_id, blob(pack_outputs(e.outputs)))
+            )
         sql = f"INSERT INTO {target} SELECT ?, ?, ?, column1, column2, ?, column3 FROM (VALUES {{rows}})"
         for scope, rows in by_scope.items():
             fixed = (scope.tenant, scope.namespace, consumer, self._now)
@@ -208,7 +220,9 @@ class BatchMethods:
                         raise
                     found = self.effects_get(consumer, [(scope, r[0]) for r in chunk])
                     key = next(k for (_, k), outputs in found.items() if outputs is not None)
-                    raise self._duplicate(consumer, f"key {key!r} in {scope} is already stored") from exc
+                    raise self._duplicate(
+                        consumer, f"key {key!r} in {scope} is already stored"
+                    ) from exc
 
     @classmethod
     def _distinct_keys(cls, consumer: str, effects: Sequence[NewEffect]) -> set[Scoped]:

@@ -320,8 +320,11 @@ class SqlStore(ABC):
                 )
             records = [
                 EffectRecord(
-                    consumer=r[0], key=r[1], command_id=r[2],
-                    outputs=tuple(unpack_outputs(r[5])), created_at=d.ts_out(r[3]),
+                    consumer=r[0],
+                    key=r[1],
+                    command_id=r[2],
+                    outputs=tuple(unpack_outputs(r[5])),
+                    created_at=d.ts_out(r[3]),
                     published_at=None if r[4] is None else d.ts_out(r[4]),
                     scope=Scope(r[6], r[7]),
                 )
@@ -364,9 +367,7 @@ class SqlStore(ABC):
         return [NodeInfo(r[0], r[1], int(r[2]), self._dialect.ts_out(r[3])) for r in rows]
 
 
-def _keyset(
-    consumer: str | None, after: tuple[str, str, str, str] | None
-) -> tuple[str, list[Any]]:
+def _keyset(consumer: str | None, after: tuple[str, str, str, str] | None) -> tuple[str, list[Any]]:
     """WHERE clause for the next page of a table keyed by (tenant, namespace, consumer, key)."""
     clauses: list[str] = []
     params: list[Any] = []

@@ -115,7 +115,11 @@ def append_with_states(
     if not events:
         return
     last = {e.resource_id or "": index for index, e in enumerate(events)}
-    rows = [(resource, states[resource], index) for resource, index in last.items() if resource in states]
+    rows = [
+        (resource, states[resource], index)
+        for resource, index in last.items()
+        if resource in states
+    ]
     if _tails(tx):
         tx.append_log(agent, scope, events, rows)
         return

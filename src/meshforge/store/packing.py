@@ -45,7 +45,9 @@ def pack_outputs(outputs: Sequence[StoredOutput]) -> bytes:
             parts += (_HEAD.pack(o.position, len(subject), len(msg_id), len(data), len(headers)),
                       subject, msg_id, data, headers)  # fmt: skip
     except (UnicodeError, struct.error) as exc:
-        raise StoreError(f"effect outputs cannot be stored: {one_line(exc)}", kind="invalid") from exc
+        raise StoreError(
+            f"effect outputs cannot be stored: {one_line(exc)}", kind="invalid"
+        ) from exc
     return b"".join(parts)
 
 
@@ -81,7 +83,9 @@ def _pack_existing(run: Runner, dialect: Dialect) -> None:
     current: tuple[Any, ...] | None = None
     outputs: list[StoredOutput] = []
     while True:
-        where = " WHERE (tenant, namespace, consumer, key, position) > (?, ?, ?, ?, ?)" if after else ""
+        where = (
+            " WHERE (tenant, namespace, consumer, key, position) > (?, ?, ?, ?, ?)" if after else ""
+        )
         rows = run.rows(
             "SELECT tenant, namespace, consumer, key, position, subject, msg_id, data, headers"
             f" FROM meshforge_effect_outputs{where}"

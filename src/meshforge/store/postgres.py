@@ -286,12 +286,24 @@ class PostgresTransaction(SqlTransaction):
         states: dict[Scoped, bytes | None] = dict.fromkeys(slots)
         effects: dict[Scoped, list[StoredOutput] | None] = dict.fromkeys(wanted)
         # A cursor for each result: all of them (and BEGIN's) come back with one sync.
-        with self._sending(), self._conn.cursor() as found_states, self._conn.cursor() as found_effects:
+        with (
+            self._sending(),
+            self._conn.cursor() as found_states,
+            self._conn.cursor() as found_effects,
+        ):
             if slots:
                 self._cursor.execute(DIALECT.sql(_LOCK_RESOURCES), (lock_names(agent, slots),))
-                self._send(found_states, _STATES_LOCKED, [(s.tenant, s.namespace, agent, r) for s, r in slots])
+                self._send(
+                    found_states,
+                    _STATES_LOCKED,
+                    [(s.tenant, s.namespace, agent, r) for s, r in slots],
+                )
             if wanted:
-                self._send(found_effects, EFFECTS_GET, [(s.tenant, s.namespace, consumer, k) for s, k in wanted])
+                self._send(
+                    found_effects,
+                    EFFECTS_GET,
+                    [(s.tenant, s.namespace, consumer, k) for s, k in wanted],
+                )
             pipeline.sync()
             state_rows = found_states.fetchall() if slots else []
             effect_rows = found_effects.fetchall() if wanted else []
@@ -418,7 +430,9 @@ class _Checks:
     ``_CHECK_AFTER`` seconds and is idle."""
 
     def __init__(self) -> None:
-        self._used: weakref.WeakKeyDictionary[psycopg.Connection[Any], float] = weakref.WeakKeyDictionary()
+        self._used: weakref.WeakKeyDictionary[psycopg.Connection[Any], float] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def __call__(self, conn: psycopg.Connection[Any]) -> None:
         used = self._used.get(conn)

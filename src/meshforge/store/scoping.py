@@ -52,7 +52,9 @@ def _pages(run: Runner, sql: str, width: int) -> Iterator[list[tuple[Any, ...]]]
         after = tuple(rows[-1][:width])
 
 
-def _rescope(run: Runner, table: str, keys: Sequence[str], moves: dict[Scope, list[tuple[Any, ...]]]) -> None:
+def _rescope(
+    run: Runner, table: str, keys: Sequence[str], moves: dict[Scope, list[tuple[Any, ...]]]
+) -> None:
     """Move rows (named by ``keys`` values, all still in the default scope) to their scope."""
     group = "(" + ", ".join("?" * len(keys)) + ")"
     for scope, rows in moves.items():

@@ -149,7 +149,9 @@ class _Checkpointer:
     def __init__(self, path: str) -> None:
         self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=0)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="meshforge-sqlite-checkpoint", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="meshforge-sqlite-checkpoint", daemon=True
+        )
         self._thread.start()
 
     def _run(self) -> None:
@@ -159,7 +161,9 @@ class _Checkpointer:
                 last = -1
                 for _ in range(_CATCH_UP):
                     # The WAL's size in frames when it began, and how many are copied now.
-                    busy, frames, _copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()[0]
+                    busy, frames, _copied = self._conn.execute(
+                        "PRAGMA wal_checkpoint(PASSIVE)"
+                    ).fetchall()[0]
                     if busy or frames == last:  # no commit since the round before: all copied
                         break
                     last = frames
@@ -192,7 +196,10 @@ class SqliteStore(SqlStore):
             if path != MEMORY:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._conn: sqlite3.Connection | None = sqlite3.connect(
-                path, isolation_level=None, check_same_thread=False, timeout=busy_ms / 1000,
+                path,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=busy_ms / 1000,
                 cached_statements=_STATEMENTS,
             )
             self._conn.execute(f"PRAGMA busy_timeout = {busy_ms}")

@@ -332,4 +332,3 @@ class SqlTransaction(BatchMethods):
             raise StoreError(
                 f"no {what} row for consumer {consumer!r} key {key!r}", kind="not_found"
             )
-

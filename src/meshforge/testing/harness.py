@@ -158,7 +158,9 @@ class AgentHarness(Generic[S]):
                 if decision.action is Action.NAK:
                     continue  # a worker would deliver it again after the backoff
                 sent = Sent(env, subject, self._resource_quietly(env, command), deliveries=attempt)
-                return self._dead(sent, decision.reason or REASON_MAX_DELIVERIES, decision.error or one_line(exc))
+                return self._dead(
+                    sent, decision.reason or REASON_MAX_DELIVERIES, decision.error or one_line(exc)
+                )
             break
         self.states[resource] = new_state
         self._effects[env.key] = messages
@@ -175,7 +177,9 @@ class AgentHarness(Generic[S]):
             return None
 
     def _dead(self, sent: Sent[S], reason: str, error: str) -> Sent[S]:
-        letter = HarnessDeadLetter(f"failed.{sent.subject}", sent.command, reason, error, sent.deliveries)
+        letter = HarnessDeadLetter(
+            f"failed.{sent.subject}", sent.command, reason, error, sent.deliveries
+        )
         self.dead_letters.append(letter)
         sent.dead_letter = letter
         if sent.resource is not None:

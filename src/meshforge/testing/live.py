@@ -89,7 +89,10 @@ class WorkerHarness:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         await self.worker.stop()
         if self._run is not None:
@@ -141,18 +144,29 @@ class WorkerHarness:
             seq = raw.seq + 1
 
     async def wait_events(
-        self, type_: str | None = None, count: int = 1, timeout: float | None = None  # noqa: ASYNC109
+        self,
+        type_: str | None = None,
+        count: int = 1,
+        timeout: float | None = None,  # noqa: ASYNC109
     ) -> list[Envelope]:
         """Wait until at least ``count`` events (of ``type_``) are stored; returns them all."""
-        return await self._wait(lambda: self.events(type_), count, timeout, f"{count} {type_ or 'event'}(s)")
+        return await self._wait(
+            lambda: self.events(type_), count, timeout, f"{count} {type_ or 'event'}(s)"
+        )
 
     async def dead_letters(self) -> list[DeadLetter]:
         """Dead letters of commands in this harness's namespace, oldest first."""
         assert self._publisher is not None, "use the harness inside 'async with'"
         letters = DeadLetters(self.conn.js, self._publisher)
-        return await letters.list(limit=10_000, subject_filter=f"failed.cmd.{self.tenant}.{self.namespace}.>")
+        return await letters.list(
+            limit=10_000, subject_filter=f"failed.cmd.{self.tenant}.{self.namespace}.>"
+        )
 
-    async def wait_dead_letters(self, count: int = 1, timeout: float | None = None) -> list[DeadLetter]:  # noqa: ASYNC109
+    async def wait_dead_letters(
+        self,
+        count: int = 1,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> list[DeadLetter]:
         """Wait until at least ``count`` dead letters are stored; returns them all."""
         return await self._wait(self.dead_letters, count, timeout, f"{count} dead letter(s)")
 

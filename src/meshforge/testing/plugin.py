@@ -121,8 +121,12 @@ class _Workers:
 class _Started:
     """Resets the streams, then enters the ``WorkerHarness``."""
 
-    def __init__(self, workers: _Workers, agents: tuple[Agent[Any], ...], options: dict[str, Any]) -> None:
-        self._harness = WorkerHarness(list(agents), workers.settings, store=workers.store, **options)
+    def __init__(
+        self, workers: _Workers, agents: tuple[Agent[Any], ...], options: dict[str, Any]
+    ) -> None:
+        self._harness = WorkerHarness(
+            list(agents), workers.settings, store=workers.store, **options
+        )
         self._settings = workers.settings
 
     async def __aenter__(self) -> WorkerHarness:

@@ -125,13 +125,18 @@ class Tenure:
         if self._ownership is None or self.fenced:
             return
         try:
-            pin = await pinned_client(self._ownership.js, self.spec.stream, self.spec.durable, self.spec.priority_group)
+            pin = await pinned_client(
+                self._ownership.js, self.spec.stream, self.spec.durable, self.spec.priority_group
+            )
         except Exception as exc:  # the server may be away: the next idle pull asks again
             log.debug("%s: pin state unavailable: %s", self.spec.durable, one_line(exc))
             return
         if pin is None or pinned() or self.fenced:
             return
-        log.warning("%s: another client is pinned while this worker owns it; unpinning it", self.spec.durable)
+        log.warning(
+            "%s: another client is pinned while this worker owns it; unpinning it",
+            self.spec.durable,
+        )
         await self._ownership.unpin(self.spec)
         await self._settle(clean=False)
 
@@ -175,7 +180,11 @@ class Ownership:
         self._last_error = last_error
         self.tenures: dict[str, Tenure] = {}
         # Every durable of the group shares the unpartitioned one's stem.
-        group = self.specs["u"].durable.removesuffix("_unpartitioned") if "u" in self.specs else next(iter(self.specs))
+        group = (
+            self.specs["u"].durable.removesuffix("_unpartitioned")
+            if "u" in self.specs
+            else next(iter(self.specs))
+        )
         self.leases = Leases(
             js, kv, group, list(self.specs), spare=[s for s in spare if s in self.specs], start=self.take,
             stop=stop, period=period, worker=worker, fence=self._lost,
@@ -226,7 +235,11 @@ class Ownership:
                 denied = self._last_error() or ""
                 if "permissions violation" in denied.lower():
                     raise TopologyError(f"cannot unpin {spec.durable}: {denied}") from None
-                log.warning("%s: unpin failed (%s); trying again before pulling", spec.durable, one_line(exc))
+                log.warning(
+                    "%s: unpin failed (%s); trying again before pulling",
+                    spec.durable,
+                    one_line(exc),
+                )
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
 

@@ -111,7 +111,9 @@ def partition_subject(subject: str, key: str, partitions: int) -> str:
     if partitions < 1 or parts is None or parts[4] is not None:
         return subject
     tenant, namespace, agent, command, _ = parts
-    return partitioned_command_subject(tenant, namespace, agent, command, partition_of(key, partitions))
+    return partitioned_command_subject(
+        tenant, namespace, agent, command, partition_of(key, partitions)
+    )
 
 
 def partitioned(subject: str, env: Envelope, settings: Settings) -> str:
@@ -286,7 +288,9 @@ class Leases:
         # The stream's per-subject counts name the registrations (a delete marker too):
         # one read each tells which still live. Cheaper than a watcher every round.
         pre = f"$KV.{BUCKET}."
-        info = await self.js.stream_info(f"KV_{BUCKET}", subjects_filter=f"{pre}{self._worker_key.rsplit('.', 1)[0]}.*")
+        info = await self.js.stream_info(
+            f"KV_{BUCKET}", subjects_filter=f"{pre}{self._worker_key.rsplit('.', 1)[0]}.*"
+        )
         live = 0
         for subject in (info.state.subjects or {}) if info.state else {}:
             with contextlib.suppress(KeyNotFoundError, KeyDeletedError):
@@ -357,7 +361,9 @@ class Leases:
                     continue
                 # Ours still (a renewal failed but the key lived on): take it back.
                 with contextlib.suppress(Exception):
-                    self.owned[slot] = await self.kv.update(key, self.worker.encode(), last=entry.revision)
+                    self.owned[slot] = await self.kv.update(
+                        key, self.worker.encode(), last=entry.revision
+                    )
                     self._start(slot, False)
                     wanted -= 1
                 continue

@@ -149,7 +149,18 @@ def role_grant(
     ('$JS.API.>',)
     """
     try:
-        return _grant(role, settings or Settings(), agents, tenant, namespace, site, nodes, streams, subjects, writes)
+        return _grant(
+            role,
+            settings or Settings(),
+            agents,
+            tenant,
+            namespace,
+            site,
+            nodes,
+            streams,
+            subjects,
+            writes,
+        )
     except InvalidSubject as exc:  # a bad name is a bad option, like any other
         raise ConfigError(str(exc)) from None
 

@@ -99,7 +99,8 @@ async def _existing_consumers(js: JetStreamManager, stream: str) -> dict[str, Co
     async def fetch(offset: int) -> tuple[list[tuple[str, ConsumerConfig]], int | None]:
         resp = await js_api(js, f"CONSUMER.LIST.{stream}", {"offset": offset})
         page: list[tuple[str, ConsumerConfig]] = [
-            (c["name"], GroupedConsumerConfig.from_response(c["config"])) for c in resp.get("consumers") or []
+            (c["name"], GroupedConsumerConfig.from_response(c["config"]))
+            for c in resp.get("consumers") or []
         ]
         return page, None
 
@@ -194,6 +195,7 @@ def _plan_consumer(
     stream_replicas: int | None = None,
 ) -> Step:
     """``stream_replicas``: the stream's as planned, what a consumer's replicas 0 follows."""
+
     def refuse(
         reason: str, *, overlap: bool = False, current: ConsumerConfig | None = None
     ) -> Step:
@@ -310,7 +312,9 @@ async def _execute(js: JetStreamManager, step: Step) -> None:
         assert isinstance(step.current, ConsumerConfig)
         # Read raw, the current config keeps its priority group; the spec's replaces it (a
         # partition durable made before it had one gets it now).
-        config = GroupedConsumerConfig(**vars(step.current)).evolve(
+        config = GroupedConsumerConfig(
+            **vars(step.current)
+        ).evolve(
             name=None,  # the durable name selects the consumer; a name would put the filter in the API subject
             metadata=_own_metadata(step.current.metadata),
             filter_subject=config.filter_subject,
@@ -434,7 +438,9 @@ async def verify(
             raise TopologyError(f"cannot check {label}: {one_line(exc, 300)}") from exc
         present.append(label)
     if missing:
-        absent = [filters[label.rpartition("/")[2]] for label in missing if label.startswith("consumer ")]
+        absent = [
+            filters[label.rpartition("/")[2]] for label in missing if label.startswith("consumer ")
+        ]
         raise MissingTopology(
             f"missing JetStream topology: {', '.join(missing)}; run `{fix_command(absent)}` "
             "with an account allowed to create them"

@@ -118,7 +118,9 @@ class StreamSpec:
 OWNER_GROUP = "owner"
 
 
-async def js_api(js: JetStreamManager, api: str, request: dict[str, Any] | None = None) -> dict[str, Any]:
+async def js_api(
+    js: JetStreamManager, api: str, request: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One JetStream API call (``api``: the subject after ``$JS.API.``), its answer as raw
     JSON: for the priority-group fields and calls that nats-py's own API does not carry.
     An error answer raises nats-py's ``APIError``, as its API does."""
@@ -228,7 +230,12 @@ def default_streams(settings: Settings) -> list[StreamSpec]:
     """
 
     def spec(
-        name: str, subject: str, retention: Retention, discard: Discard, what: str, ttl: bool = False
+        name: str,
+        subject: str,
+        retention: Retention,
+        discard: Discard,
+        what: str,
+        ttl: bool = False,
     ) -> StreamSpec:
         return StreamSpec(
             name=name,
@@ -327,7 +334,9 @@ def partition_consumers(
     ttl = pinned_ttl(settings)
     specs = {}
     for slot, (durable, subject, what) in durables.items():
-        spec = _command_consumer(agent, settings, durable, subject, f"MeshForge agent {agent} {what}")
+        spec = _command_consumer(
+            agent, settings, durable, subject, f"MeshForge agent {agent} {what}"
+        )
         specs[slot] = replace(spec, priority_group=OWNER_GROUP, pinned_ttl=ttl)
     return specs
 

@@ -82,7 +82,9 @@ def validate_subject(subject: str, *, wildcards: bool = False) -> str:
     for i, token in enumerate(tokens):
         if token in ("*", ">"):
             if not wildcards:
-                raise InvalidSubject(f"invalid subject {subject!r}: wildcard {token!r} cannot be published to")
+                raise InvalidSubject(
+                    f"invalid subject {subject!r}: wildcard {token!r} cannot be published to"
+                )
             if token == ">" and i != len(tokens) - 1:
                 raise InvalidSubject(f"invalid subject {subject!r}: '>' must be the last token")
             continue
@@ -174,7 +176,9 @@ def dead_letter_subject(original: str) -> str:
 def original_of_dead_letter(subject: str) -> str:
     """The original subject of a dead letter's ``failed.<...>`` subject."""
     if not subject.startswith(DEAD_LETTER_PREFIX):
-        raise InvalidSubject(f"invalid dead-letter subject {subject!r}: expected 'failed.<subject>'")
+        raise InvalidSubject(
+            f"invalid dead-letter subject {subject!r}: expected 'failed.<subject>'"
+        )
     return subject[len(DEAD_LETTER_PREFIX) :]
 
 

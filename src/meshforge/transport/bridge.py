@@ -117,7 +117,9 @@ class LoopThread:
     def _start(self) -> None:
         loop = asyncio.new_event_loop()
         ready = threading.Event()
-        thread = threading.Thread(target=_serve, args=(loop, ready), name=f"{self.name}-loop", daemon=True)
+        thread = threading.Thread(
+            target=_serve, args=(loop, ready), name=f"{self.name}-loop", daemon=True
+        )
         thread.start()
         ready.wait()
         self._loop, self._thread = loop, thread

@@ -89,7 +89,9 @@ class EmbeddedCluster(Managed):
         for name, node in zip(self.names, self.nodes, strict=True):
             if name == server_name:
                 return node
-        raise ServerError(f"no node {server_name!r} in cluster {self.name} ({', '.join(self.names)})")
+        raise ServerError(
+            f"no node {server_name!r} in cluster {self.name} ({', '.join(self.names)})"
+        )
 
     @property
     def urls(self) -> list[str]:
@@ -162,4 +164,3 @@ class EmbeddedCluster(Managed):
         self.stop()
         for node in self.nodes:
             node.close()
-

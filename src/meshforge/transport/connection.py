@@ -196,7 +196,9 @@ class _Client(NATS):
         self._direct = {k: v for k, v in (self._direct or {}).items() if k in live}
         self._direct[sid] = deliver
 
-    def _deliver_now(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> bool:
+    def _deliver_now(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
+    ) -> bool:
         """Hand a PubAck to the pipe, or a message without a status to its direct
         subscriber, at once; False for any other (``_process_msg`` takes it)."""
         pipe = self._pipe
@@ -211,13 +213,19 @@ class _Client(NATS):
         elif len(headers) <= _HDR_LINE or headers[_HDR_LINE] == _SPACE:
             return False  # a status (or no header line at all): nats-py's way
         else:  # what nats-py's _process_headers gives for a block without a status
-            hdr = parse_header_lines(headers[_HDR_START:]) or None if len(headers) > _HDR_START else None
+            hdr = (
+                parse_header_lines(headers[_HDR_START:]) or None
+                if len(headers) > _HDR_START
+                else None
+            )
         self.stats["in_msgs"] += 1
         self.stats["in_bytes"] += len(data)
         deliver(self._build_message(sid, subject, reply, data, hdr))
         return True
 
-    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+    async def _process_msg(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
+    ) -> None:
         # What _deliver_now left: a status for a direct subscriber, or any other message.
         deliver = self._direct.get(sid) if self._direct is not None else None
         if deliver is None or sid not in self._subs:
@@ -432,8 +440,6 @@ async def connect(
         await conn._attempt(settings, options)
         return conn
 
-    conn = await retry_connect(
-        target, settings.connect_attempts, once, secrets=settings.secrets
-    )
+    conn = await retry_connect(target, settings.connect_attempts, once, secrets=settings.secrets)
     log.info("connected to NATS %s", conn._server())
     return conn

@@ -48,6 +48,7 @@ class Message(Protocol):
     @property
     def msg_id(self) -> str: ...
 
+
 # The same rules nats-py applies to header names and values when it sends them.
 _KEY_RE = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token, as nats-py checks
 _VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
@@ -93,7 +94,9 @@ def encode_headers(headers: Mapping[str, str]) -> bytes:
 
 
 # A PubAck as the server writes it, stored or duplicate; anything else is read as JSON.
-_PLAIN_ACK = re.compile(rb'\{"stream":"([!#-\[\]-~]+)","seq":(0|[1-9][0-9]*)(,"duplicate": ?true)?\}')
+_PLAIN_ACK = re.compile(
+    rb'\{"stream":"([!#-\[\]-~]+)","seq":(0|[1-9][0-9]*)(,"duplicate": ?true)?\}'
+)
 
 
 def _answer(data: bytes, headers: bytes | None) -> Answer:
@@ -262,7 +265,11 @@ class PubAckPipe:
         return None
 
     async def _wait(
-        self, call: _Call, chunks: list[tuple[float, list[bytes]]], open_at_most: int, answer_within: float
+        self,
+        call: _Call,
+        chunks: list[tuple[float, list[bytes]]],
+        open_at_most: int,
+        answer_within: float,
     ) -> None:
         """Until at most ``open_at_most`` answers are missing, or the oldest open message's
         time is up (its answers, and those of messages as old, become timeouts)."""
@@ -278,7 +285,9 @@ class PubAckPipe:
         finally:
             call.waiter = None
 
-    def _forget(self, call: _Call, chunks: list[tuple[float, list[bytes]]], sent_before: float | None) -> None:
+    def _forget(
+        self, call: _Call, chunks: list[tuple[float, list[bytes]]], sent_before: float | None
+    ) -> None:
         """Time out the open messages sent before ``sent_before`` (all when None)."""
         for sent, tokens in chunks:
             if not call.open or (sent_before is not None and sent > sent_before):

@@ -146,7 +146,10 @@ class Managed:
         return self.start()
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 
@@ -157,7 +160,10 @@ class Managed:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         import asyncio
 
@@ -220,12 +226,18 @@ class EmbeddedServer(Managed):
         args = [
             find_server_binary(),
             "-js",
-            "-a", self.host,
-            "-p", str(self.port if self.port is not None else -1),
-            "-m", "-1",
-            "-sd", str(self.store_dir / "jetstream"),
-            "--ports_file_dir", str(ports_dir),
-            "-l", str(self.log_file),
+            "-a",
+            self.host,
+            "-p",
+            str(self.port if self.port is not None else -1),
+            "-m",
+            "-1",
+            "-sd",
+            str(self.store_dir / "jetstream"),
+            "--ports_file_dir",
+            str(ports_dir),
+            "-l",
+            str(self.log_file),
             *self.extra_args,
         ]
         try:
@@ -333,4 +345,3 @@ class EmbeddedServer(Managed):
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-

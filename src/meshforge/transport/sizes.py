@@ -164,6 +164,4 @@ def _too_large(subject: str, body: int, headers: int, limits: SizeLimits) -> Pub
             f"server's max_payload of {limits.max_payload} bytes: send less, or raise "
             "max_payload in the server configuration"
         )
-    return PublishError(
-        f"message to {subject!r} not sent: {what}", kind="payload_too_large"
-    )
+    return PublishError(f"message to {subject!r} not sent: {what}", kind="payload_too_large")

@@ -26,7 +26,9 @@ from meshforge.transport.connection import Connection
 
 
 @each_variant()
-async def test_success_acks_and_counts(variant: Variant, conn: Connection, js: JetStreamContext) -> None:
+async def test_success_acks_and_counts(
+    variant: Variant, conn: Connection, js: JetStreamContext
+) -> None:
     c = Case.new()
     seen: list[Delivery] = []
 

@@ -73,7 +73,9 @@ async def test_each_error_class_lands_with_its_reason_and_the_original_message(
     }
     for env, (error, reason) in zip(envs, POISON, strict=True):
         letter = letters[env.id]
-        assert_contract_headers(letter, reason=reason, subject=subject, durable=c.durable, deliveries=1)
+        assert_contract_headers(
+            letter, reason=reason, subject=subject, durable=c.durable, deliveries=1
+        )
         assert letter.headers is not None
         assert letter.headers[H_DLQ_ERROR] == f"{type(error).__name__}: {error}"
         assert letter.data == env.encode()
@@ -98,7 +100,9 @@ async def test_malformed_input_is_dead_lettered_once_and_never_reaches_the_handl
     subject = c.subject
     async with running(consumer):
         # (its own message id: the stream drops a repeated one as a duplicate)
-        await js.publish(subject, b"{not json", headers={H_MSG_ID: f"bad-{c.agent}", "X-Custom": "kept"})
+        await js.publish(
+            subject, b"{not json", headers={H_MSG_ID: f"bad-{c.agent}", "X-Custom": "kept"}
+        )
         await js.publish(subject, json.dumps({"type": "x"}).encode())  # lacks payload
         await publish_envelopes(js, subject, 1)  # a good one among them
         await wait_until(lambda: c.count("acked") == 3)

@@ -116,7 +116,9 @@ async def test_a_stored_message_with_a_status_header_of_its_own_is_handled(
     consumer, seen = _raw(variant, conn, c)
     async with running(consumer):
         for status in ("404", "408", "100", "409"):
-            await js.publish(c.subject, status.encode(), headers={"Status": status, "Description": "x"})
+            await js.publish(
+                c.subject, status.encode(), headers={"Status": status, "Description": "x"}
+            )
         await wait_until(lambda: len(seen) == 4)
         await wait_until(lambda: c.count("acked") == 4)
     assert sorted(d.data for d in seen) == [b"100", b"404", b"408", b"409"]

@@ -137,7 +137,9 @@ def as_batch(behave: Behave, calls: list[int] | None = None) -> BatchHandler:
 
 VARIANTS = (
     Variant("pull-single", "pull", batch=False, capabilities=frozenset({MIDDLEWARES})),
-    Variant("push-single", "push", batch=False, capabilities=frozenset({MIDDLEWARES, DELIVER_GROUP})),
+    Variant(
+        "push-single", "push", batch=False, capabilities=frozenset({MIDDLEWARES, DELIVER_GROUP})
+    ),
     Variant("pull-batch", "pull", batch=True, capabilities=frozenset({BATCHES})),
 )
 _KNOWN = frozenset().union(*(v.capabilities for v in VARIANTS))

@@ -129,7 +129,9 @@ def test_a_duplicate_effect_is_named_and_stores_nothing(
     ) == expected
 
 
-def test_a_duplicate_deep_in_a_big_batch_is_named_and_the_batch_stores_nothing(store: Store) -> None:
+def test_a_duplicate_deep_in_a_big_batch_is_named_and_the_batch_stores_nothing(
+    store: Store,
+) -> None:
     # 1,100 rows go in several statements (chunks, then powers of two on SQLite): the key
     # stored before sits in a late one, after statements that stored their rows.
     with store.transaction() as tx:

@@ -22,7 +22,15 @@ AGENT = "order"
 
 
 def ev(event_id: str, resource: str | None) -> NewEvent:
-    return NewEvent(event_id, "created", resource, f"cmd-{event_id}", f"k-{event_id}", b"\x00{}", "2026-01-01T00:00:00Z")
+    return NewEvent(
+        event_id,
+        "created",
+        resource,
+        f"cmd-{event_id}",
+        f"k-{event_id}",
+        b"\x00{}",
+        "2026-01-01T00:00:00Z",
+    )
 
 
 def positions(store: Store, scope: Scope) -> list[tuple[int, str]]:
@@ -62,7 +70,10 @@ def test_a_tail_that_fails_rolls_back_the_whole_transaction(store: Store) -> Non
     assert failed.value.kind == "duplicate"
     assert positions(store, A) == [(1, "e1")]
     with store.transaction() as tx:
-        assert tx.states_get(AGENT, [(A, "o-2"), (A, "o-9")]) == {(A, "o-2"): None, (A, "o-9"): None}
+        assert tx.states_get(AGENT, [(A, "o-2"), (A, "o-9")]) == {
+            (A, "o-2"): None,
+            (A, "o-9"): None,
+        }
         # The head did not move: the log stays gapless.
         append_with_states(tx, AGENT, A, [ev("e2", "o-2")], {"o-2": b"two"})
     assert positions(store, A) == [(1, "e1"), (2, "e2")]
@@ -73,7 +84,10 @@ def test_nothing_but_appends_may_follow_the_tail_on_postgresql(pg_store: Store) 
         append_with_states(tx, AGENT, A, [ev("e1", "o-1")], {"o-1": b"one"})
         tx.effects_get("order_consumer", [(A, "k")])
 
-    with pytest.raises(StoreError, match="nothing but further appends"), pg_store.transaction() as tx:
+    with (
+        pytest.raises(StoreError, match="nothing but further appends"),
+        pg_store.transaction() as tx,
+    ):
         work(tx)
     assert positions(pg_store, A) == []
 
@@ -82,7 +96,9 @@ CONSUMER = "order_consumer"
 
 
 def effect(key: str, command_id: str) -> NewEffect:
-    return NewEffect(key, command_id, [StoredOutput(0, "evt.t.ns.order.created", f"m-{key}", b"{}")], A)
+    return NewEffect(
+        key, command_id, [StoredOutput(0, "evt.t.ns.order.created", f"m-{key}", b"{}")], A
+    )
 
 
 def test_a_group_reads_what_states_get_and_effects_get_read(store: Store) -> None:
@@ -90,7 +106,9 @@ def test_a_group_reads_what_states_get_and_effects_get_read(store: Store) -> Non
         tx.states_put(AGENT, [NewState("o-1", b"one", 1, A)])
         tx.effects_put(CONSUMER, [effect("k1", "c1")])
     with store.transaction() as tx:
-        states, stored = read_group(tx, AGENT, [(A, "o-1"), (A, "o-2"), (A, "o-1")], CONSUMER, [(A, "k1"), (A, "k2")])
+        states, stored = read_group(
+            tx, AGENT, [(A, "o-1"), (A, "o-2"), (A, "o-1")], CONSUMER, [(A, "k1"), (A, "k2")]
+        )
         assert states == {(A, "o-1"): b"one", (A, "o-2"): None}
         assert stored == {(A, "k1"): effect("k1", "c1").outputs, (A, "k2"): None}
         assert read_group(tx, AGENT, [], CONSUMER, []) == ({}, {})
@@ -123,11 +141,17 @@ def test_an_effect_key_stored_first_fails_the_group_as_a_duplicate(store: Store)
     # What effects_put says, on every backend: the engine runs the group again.
     assert failed.value.kind == "duplicate"
     said = str(failed.value)
-    assert said.startswith(f"effects of consumer {CONSUMER!r}:") and "k1" in said and "already stored" in said
+    assert (
+        said.startswith(f"effects of consumer {CONSUMER!r}:")
+        and "k1" in said
+        and "already stored" in said
+    )
     if store.dialect == "postgresql":
         assert isinstance(failed.value, DuplicateEffect)
     # Nothing of the group stayed: no effect, no mark, no event, no state.
-    assert [(e.key, e.command_id, e.published_at) for e in store.effects_read(CONSUMER)] == [("k1", "c1", None)]
+    assert [(e.key, e.command_id, e.published_at) for e in store.effects_read(CONSUMER)] == [
+        ("k1", "c1", None)
+    ]
     assert positions(store, A) == []
     with store.transaction() as tx:
         assert tx.states_get(AGENT, [(A, "o-1")]) == {(A, "o-1"): None}
@@ -153,4 +177,7 @@ def test_a_failed_read_of_a_group_rolls_back_on_postgresql(pg_store: Store) -> N
         read_group(tx, AGENT, [(A, "o\x00")], CONSUMER, [(A, "k1")])
     assert failed.value.kind == "invalid"
     with pg_store.transaction() as tx:
-        assert read_group(tx, AGENT, [(A, "o-1")], CONSUMER, [(A, "k1")]) == ({(A, "o-1"): None}, {(A, "k1"): None})
+        assert read_group(tx, AGENT, [(A, "o-1")], CONSUMER, [(A, "k1")]) == (
+            {(A, "o-1"): None},
+            {(A, "k1"): None},
+        )

@@ -117,7 +117,10 @@ def test_schema_1_rows_move_to_the_tenant_their_subjects_name(
     with open_store(fresh_url) as store:
         assert store.logs("order") == [(DEFAULT_SCOPE, "order"), (A, "order"), (B, "order")]
         logs = {
-            scope: [(e.position, e.event_id, e.resource_id) for e in store.events_read("order", scope=scope)]
+            scope: [
+                (e.position, e.event_id, e.resource_id)
+                for e in store.events_read("order", scope=scope)
+            ]
             for scope, _ in store.logs("order")
         }
         assert logs == {
@@ -192,14 +195,17 @@ def make_schema_2_store(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
                     )  # fmt: skip
 
 
-def test_schema_2_outputs_move_into_their_effects_rows(fresh_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_schema_2_outputs_move_into_their_effects_rows(
+    fresh_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from meshforge.store import StoredOutput, packing
 
     make_schema_2_store(fresh_url, monkeypatch)
     monkeypatch.setattr(packing, "_PAGE", 2)  # an effect's outputs span pages of the move
     expected = {
         (scope, consumer, key): [
-            StoredOutput(p, f"evt.{key}.{p}", f"{key}-{p}", data, headers) for p, data, headers in sorted(outputs)
+            StoredOutput(p, f"evt.{key}.{p}", f"{key}-{p}", data, headers)
+            for p, data, headers in sorted(outputs)
         ]
         for (scope, consumer, key), outputs in V2_OUTPUTS.items()
     }
@@ -213,7 +219,10 @@ def test_schema_2_outputs_move_into_their_effects_rows(fresh_url: str, monkeypat
             assert tx.effect_get("c", "k-2", scope=A) == []
             assert tx.effect_get("c", "k-9", scope=A) is None
             got = tx.effects_get("d", [(DEFAULT_SCOPE, "k-3"), (DEFAULT_SCOPE, "k-4")])
-            assert got == {(DEFAULT_SCOPE, "k-3"): expected[(DEFAULT_SCOPE, "d", "k-3")], (DEFAULT_SCOPE, "k-4"): None}
+            assert got == {
+                (DEFAULT_SCOPE, "k-3"): expected[(DEFAULT_SCOPE, "d", "k-3")],
+                (DEFAULT_SCOPE, "k-4"): None,
+            }
             tables = (
                 "SELECT name FROM sqlite_master WHERE type = 'table'"
                 if store.dialect == "sqlite"
@@ -225,7 +234,15 @@ def test_schema_2_outputs_move_into_their_effects_rows(fresh_url: str, monkeypat
         assert versions == [(1,), (2,), (3,), (4,)]
         # New effects are stored the new way beside the moved ones; retention takes both.
         with store.transaction() as tx:
-            tx.effect_put("c", "k-5", "cmd-5", [StoredOutput(0, "evt.k-5", "m-5", b"new", {"a": "b"})], scope=A)
-        assert [o.data for r in store.effects_read("c") if r.key == "k-5" for o in r.outputs] == [b"new"]
+            tx.effect_put(
+                "c",
+                "k-5",
+                "cmd-5",
+                [StoredOutput(0, "evt.k-5", "m-5", b"new", {"a": "b"})],
+                scope=A,
+            )
+        assert [o.data for r in store.effects_read("c") if r.key == "k-5" for o in r.outputs] == [
+            b"new"
+        ]
         assert store.effects_cleanup(datetime(2026, 6, 1, tzinfo=UTC)) == 4
         assert [r.key for r in store.effects_read()] == ["k-5"]

@@ -25,7 +25,9 @@ def handled(store: Store, key: str, *, done: bool = True) -> None:
         )  # fmt: skip
         if done:
             tx.inbox_done(key, "c")
-        outputs = [StoredOutput(p, "evt.default.demo.a.done", f"{key}-{p}", b"x" * 64, {}) for p in (0, 1)]
+        outputs = [
+            StoredOutput(p, "evt.default.demo.a.done", f"{key}-{p}", b"x" * 64, {}) for p in (0, 1)
+        ]
         tx.effect_put("c", key, key, outputs)
 
 
@@ -39,7 +41,9 @@ def run_once(store: Store, effect: float, inbox: float) -> None:
     asyncio.run(store_retention(store, effect_retention=effect, inbox_retention=inbox, stop=stop))
 
 
-def test_old_effects_outputs_and_inbox_rows_go_recent_and_in_flight_stay(store: Store, clock: ManualClock) -> None:
+def test_old_effects_outputs_and_inbox_rows_go_recent_and_in_flight_stay(
+    store: Store, clock: ManualClock
+) -> None:
     clock.now = datetime.now(UTC) - timedelta(days=8)
     handled(store, "old")
     handled(store, "old-in-flight", done=False)

@@ -61,7 +61,9 @@ def test_effects_read_pages_across_scopes(store: Store) -> None:
     with store.transaction() as tx:
         for scope in (A, B, DEFAULT_SCOPE):
             for i in range(4):
-                tx.effect_put(CONSUMER, f"k-{i}", f"c-{i}", [out(scope, f"{scope}-{i}")], scope=scope)
+                tx.effect_put(
+                    CONSUMER, f"k-{i}", f"c-{i}", [out(scope, f"{scope}-{i}")], scope=scope
+                )
     got = [(r.scope, r.key, r.outputs[0].msg_id) for r in store.effects_read()]
     assert len(got) == 12 and len(set(got)) == 12
     assert all(msg.startswith(str(scope)) for scope, _, msg in got)
