@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -14,6 +17,9 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshforge.cli.demo_support import meshforge_command
+
+# What a worker, node or relay logs once its endpoint is bound: the port it took.
+_METRICS_ON = re.compile(r"metrics on (?:http://)?[^\s:]+:(\d+)")
 
 
 def free_port() -> int:
@@ -73,6 +79,16 @@ class Child:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    async def metrics_port(self, timeout: float = 30.0) -> int:  # noqa: ASYNC109
+        """The port of a child started with ``--metrics-port 0``, read from its log (a port
+        picked here and released would race another process for it)."""
+        deadline = time.monotonic() + timeout
+        while (found := _METRICS_ON.search(self.output())) is None:
+            assert self.proc.poll() is None, f"the child exited: {self.output()[-2000:]}"
+            assert time.monotonic() < deadline, f"no 'metrics on' line: {self.output()[-2000:]}"
+            await asyncio.sleep(0.05)  # polling the child's log with a deadline
+        return int(found.group(1))
 
     def stop(self, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:

@@ -102,6 +102,11 @@ async def test_missing_ts_is_injected_from_the_stored_time(nats_url: str, sqlite
             await conn.js.publish(f"cmd.default.test.{agent.name}.credit", body,
                                   headers={H_MSG_ID: "no-ts-1"})  # fmt: skip
             await wait_until(lambda: consumer_idle(conn, agent.name))
+
+            async def published() -> bool:  # an idle consumer may still be ahead of the event
+                return bool(await events_of(conn, agent.name))
+
+            await wait_until(published, what="the event")
         event = (await events_of(conn, agent.name))[0].envelope()
         assert event is not None and event.causation_id == "no-ts-1"
         stamped = datetime.fromisoformat(event.ts)

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from ops_support import Child, free_port, http_get, scrape, status
+from ops_support import Child, http_get, scrape, status
 from test_engine_support import running, settings_for
 
 from meshforge.cli.demo_support import meshforge_command
@@ -53,13 +53,13 @@ async def test_run_readyz_is_503_while_nats_is_disconnected(
 async def test_node_readyz_is_503_while_nats_is_disconnected(
     private_server: EmbeddedServer, tmp_path: Path
 ) -> None:
-    port = free_port()
     node = Child(
         ["node", "lab1", "n1", "--store", f"sqlite:///{tmp_path / 'node.db'}",
-         "--nats-url", private_server.url, "--metrics-port", str(port), "--presence-interval", "1"],
+         "--nats-url", private_server.url, "--metrics-port", "0", "--presence-interval", "1"],
         tmp_path / "node.log",
     )  # fmt: skip
     try:
+        port = await node.metrics_port()
         await _follow_the_server(private_server, port)
         code, body = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}/healthz")
         report = json.loads(body)

@@ -74,7 +74,7 @@ def _fake_deliveries(key: str) -> list[Delivery]:
 async def test_a_failing_handler_rolls_back_its_writes_and_records_the_failure(
     conn: Connection, js: JetStreamContext, inbox_store: Store
 ) -> None:
-    s = settings(backoff="100ms")
+    s = settings(backoff="1s")  # the first ack wait: no second delivery but the nak's
     agent, metrics = unique_agent(), Metrics()
     spec = agent_consumer(agent, s)
     attempts: list[int] = []

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from ops_support import Child, free_port, parse_metrics, scrape, status
+from ops_support import Child, parse_metrics, scrape, status
 from test_engine_support import settings_for
 
 from meshforge.control.client import ControlClient
@@ -136,10 +136,9 @@ async def exported(nats_url: str, tmp_path: Path) -> dict[str, dict[Any, float]]
     settings = settings_for(nats_url, f"sqlite:///{tmp_path / 'worker.db'}", metrics_port=0)
     worker = Worker([OrderAgent()], settings, probe_interval=0.2)
     task = asyncio.create_task(worker.run())
-    port = free_port()
     node = Child(
         ["node", "ops", "n1", "--store", f"sqlite:///{tmp_path / 'node.db'}", "--nats-url", nats_url,
-         "--metrics-port", str(port)],
+         "--metrics-port", "0"],
         tmp_path / "node.log",
     )  # fmt: skip
     conn = await connect(settings)
@@ -162,6 +161,7 @@ async def exported(nats_url: str, tmp_path: Path) -> dict[str, dict[Any, float]]
             return rows.get((("status", "published"),), 0) >= 1
 
         await wait_until(lambda: asyncio.to_thread(processed), 20, "the effects count")  # type: ignore[arg-type,return-value]
+        port = await node.metrics_port()
         await wait_until(lambda: _up(port), 30, "the node's /readyz")
         _, reply = await ControlClient(conn, settings=settings).request(
             "ops", "n1", "echo", {"a": 1}, timeout=20

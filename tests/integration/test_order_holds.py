@@ -136,7 +136,7 @@ async def test_held_commands_do_not_burn_their_deliveries(nats_url: str, sqlite_
     """The head fails on all but its last allowed attempt: the commands held behind it are
     redelivered more often than ``max_deliver``, yet none is dead-lettered."""
     agent = seq_agent()
-    settings = settings_for(nats_url, sqlite_url, backoff=(0.3, 0.3, 0.3), max_deliver=3)
+    settings = settings_for(nats_url, sqlite_url, backoff=(1.0, 0.3, 0.3), max_deliver=3)
     conn = await open_conn(settings)
     store = await open_store_async(sqlite_url)
     try:
@@ -402,7 +402,7 @@ async def test_a_command_held_behind_a_failure_in_its_own_group_keeps_its_attemp
     not attempts: when n=2 then fails once itself, it has its second attempt, not a dead
     letter as 'attempted 3 times'."""
     agent = seq_agent()
-    settings = settings_for(nats_url, sqlite_url, backoff=(0.3, 0.3, 0.3), max_deliver=3)
+    settings = settings_for(nats_url, sqlite_url, backoff=(1.0, 0.3, 0.3), max_deliver=3)
     conn = await open_conn(settings)
     store = await open_store_async(sqlite_url)
     try:

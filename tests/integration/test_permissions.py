@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from ops_support import Child, free_port, http_get, status
+from ops_support import Child, http_get, status
 from typer.testing import CliRunner
 
 from meshforge.cli import app
@@ -134,9 +134,8 @@ async def test_every_role_runs_under_exactly_what_it_prints(
                    role="publisher", url=server.url)  # fmt: skip
     assert sent.returncode == 0, sent.stderr
     # agent: a worker that only checks the topology, processes it, and answers /healthz
-    port = free_port()
     worker = Child(
-        ["run", "meshforge.demo:OrderAgent", "--no-provision", "--metrics-port", str(port),
+        ["run", "meshforge.demo:OrderAgent", "--no-provision", "--metrics-port", "0",
          "--store", f"sqlite:///{tmp_path / 'worker.db'}", "--nats-url", server.url],
         tmp_path / "worker.log", env=creds("agent"),
     )  # fmt: skip
@@ -146,6 +145,7 @@ async def test_every_role_runs_under_exactly_what_it_prints(
         tmp_path / "node.log", env=creds("node"),
     )  # fmt: skip
     try:
+        port = await worker.metrics_port()
         created = "evt.default.demo.order.created"
         await wait_until(lambda: last(admin, STREAM_EVENTS, created), 30, "the order.created event")
         await wait_until(lambda: _healthy(port), 20, "worker /healthz")
@@ -274,13 +274,13 @@ async def test_healthz_without_js_api_info_is_a_permission_violation(
     server: EmbeddedServer = serve(without(printed(*ROLES), "agent", "$JS.API.INFO"))  # type: ignore[operator]
     done = run_cli("provision", "--agent", "order", role="admin", url=server.url)
     assert done.returncode == 0, done.stderr
-    port = free_port()
     worker = Child(
-        ["run", "meshforge.demo:OrderAgent", "--no-provision", "--metrics-port", str(port),
+        ["run", "meshforge.demo:OrderAgent", "--no-provision", "--metrics-port", "0",
          "--store", f"sqlite:///{tmp_path / 'worker.db'}", "--nats-url", server.url],
         tmp_path / "worker.log", env=creds("agent"),
     )  # fmt: skip
     try:
+        port = await worker.metrics_port()
         await wait_until(lambda: _ready(port), 30, "the worker's /readyz")
         _, body = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}/healthz")
         assert "error" in json.loads(body)["jetstream"]

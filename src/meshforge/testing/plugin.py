@@ -43,9 +43,10 @@ __all__ = [
     "reset_streams",
 ]
 
-# Short delays: a failing command reaches its dead letter in well under a second.
+# Short delays: a failing command reaches its dead letter in under two seconds. The first
+# entry is a delivery's first ack wait: a second, so a loaded machine does not redeliver.
 TEST_SETTINGS: dict[str, object] = {
-    "backoff": "50ms,100ms,200ms,400ms",
+    "backoff": "1s,100ms,200ms,400ms",
     "ack_wait": "5s",
     "shutdown_timeout": "5s",
     "provision": True,

@@ -124,7 +124,7 @@ async def test_malformed_input_is_dead_lettered_once_and_never_reaches_the_handl
 async def test_exhausted_deliveries_give_exactly_one_dead_letter(
     variant: Variant, conn: Connection, js: JetStreamContext
 ) -> None:
-    c = Case.new(max_deliver=3, backoff="300ms,300ms,300ms", ack_wait=1.0)
+    c = Case.new(max_deliver=3, backoff="1s,300ms,300ms", ack_wait=1.0)  # a first ack wait of 1 s
     assert c.spec.max_deliver == -1  # attempts are counted by the consumer: settings.max_deliver
     calls: list[int] = []
 
@@ -137,7 +137,7 @@ async def test_exhausted_deliveries_give_exactly_one_dead_letter(
     async with running(consumer):
         await publish_envelopes(js, subject, 1)
         await wait_until(lambda: c.count("dead_lettered", reason="max_deliveries") == 1)
-        await asyncio.sleep(1.5)  # five ack waits: nothing more may come
+        await asyncio.sleep(1.5)  # the point: nothing more comes in five of the 300 ms ack waits
     assert calls == [1, 2, 3]
     [letter] = await dead_letters(js, subject)
     assert_contract_headers(
@@ -218,7 +218,7 @@ async def test_a_dead_letter_that_cannot_be_published_naks_instead_of_acking(
 async def test_a_handler_that_runs_past_its_timeout_is_retried_then_dead_lettered(
     variant: Variant, conn: Connection, js: JetStreamContext
 ) -> None:
-    c = Case.new(max_deliver=2, backoff="500ms")
+    c = Case.new(max_deliver=2, backoff="1s")  # the ack wait: far past the 0.2 s timeout
     calls: list[int] = []
 
     async def behave(d: Delivery) -> None:

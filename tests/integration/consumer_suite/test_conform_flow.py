@@ -232,7 +232,7 @@ async def test_a_batch_consumer_takes_a_steady_trickle_in_few_batches(
 async def test_a_batch_handler_error_decides_for_every_delivery_of_the_batch(
     variant: Variant, conn: Connection, js: JetStreamContext
 ) -> None:
-    c = Case.new(batch_size=5, max_deliver=2, backoff="500ms")
+    c = Case.new(batch_size=5, max_deliver=2, backoff="1s")  # no redelivery but the naks'
     calls: list[int] = []
 
     async def handle_batch(ds: Sequence[Delivery]) -> list[Decision]:

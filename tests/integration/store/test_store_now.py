@@ -12,7 +12,7 @@ import time
 
 from meshforge.store import Store
 
-NOW = 0.5  # seconds: far less than any wait for a lock (busy_timeout is 5 s)
+NOW = 1.0  # seconds: a fifth of the wait for a lock (busy_timeout is 5 s), far above a stall
 
 
 def test_sqlite_begins_at_once_and_commits_like_any_transaction(sqlite_store: Store) -> None:
