@@ -1,15 +1,17 @@
 """CONTROL_PLANE.md's promises on jobs, each against a real server: a cancel lets a command
-already running finish, and a late reply to an older attempt is ignored."""
+already running finish, a late reply to an older attempt is ignored, and a node that took
+a TTL'd command in time still runs it and answers."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from control_support import runs
+from control_support import reply_count, runs
 from fleet_support import Fleet
 
 from meshforge.config import load_settings
@@ -96,3 +98,26 @@ async def test_a_late_reply_to_an_older_attempt_is_ignored(conn: Connection, sit
     assert await asyncio.wait_for(controller, 30) == "completed"
     record = (await store.nodes(job))[f"{site}.late"]
     assert (record.state, record.attempt, record.result) == ("TIMED_OUT", 2, None)
+
+
+async def test_a_node_that_took_a_ttld_command_in_time_still_runs_it_and_answers(
+    conn: Connection, fleet: Fleet, site: str, run_log: Path
+) -> None:
+    await fleet.start(site, "n0")
+    store = await JobStore.open(conn.js)
+    job = _job()
+    deadline = (datetime.now(UTC) + timedelta(seconds=2)).isoformat()
+    # The node takes the letter at once and answers after the deadline.
+    await store.create(
+        JobSpec(job, "sleep", {"seconds": 4}, targets=[(site, "n0")], deadline=deadline)
+    )
+    controller = asyncio.create_task(JobController(conn, store, job).run())
+    await wait_until(lambda: bool(runs(run_log)), 20, "the node to take the command")
+    assert await asyncio.wait_for(controller, 30) == "completed"
+    assert (await store.nodes(job))[f"{site}.n0"].state == "EXPIRED"  # the job ended first
+
+    async def answered() -> bool:
+        return await reply_count(conn.js, control_reply_subject(site, "n0")) == 1
+
+    await wait_until(answered, 20, "the node's answer after the deadline")
+    assert [r[0] for r in runs(run_log)] == [attempt_id(job, site, "n0", 1)]
