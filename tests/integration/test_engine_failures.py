@@ -31,6 +31,7 @@ from test_engine_support import (
 from meshforge.demo import OrderAgent
 from meshforge.envelope import Envelope
 from meshforge.errors import StoreError
+from meshforge.runtime import Agent, Event, Output, command
 from meshforge.runtime.worker import Worker
 from meshforge.store import Store, Transaction
 from meshforge.transport.server import EmbeddedServer
@@ -195,11 +196,15 @@ async def test_retry_with_delay_runs_again(nats_url: str, sqlite_url: str) -> No
 
 
 class FlakyStore:
-    """The real store, whose next ``fail`` commits raise a retriable (or given) StoreError."""
+    """The real store, whose next ``fail`` commits raise a retriable (or given) StoreError;
+    ``fail_now`` does the same to the commits of ``transaction_now`` (SQLite's transactions
+    on the event loop), which the real store begins as it would."""
 
-    def __init__(self, store: Store, fail: int, error: StoreError) -> None:
+    def __init__(self, store: Store, fail: int, error: StoreError, fail_now: int = 0) -> None:
         self._store = store
         self.fail = fail
+        self.fail_now = fail_now
+        self.failed_now = 0  # commits failed on the event loop
         self.error = error
 
     def __getattr__(self, name: str) -> Any:
@@ -216,8 +221,27 @@ class FlakyStore:
 
         return tx()
 
-    def transaction_now(self) -> None:
-        return None  # every transaction through ``transaction``, where the failures are
+    def transaction_now(self) -> tuple[AbstractContextManager[Transaction], Transaction] | None:
+        begun = self._store.transaction_now()
+        if begun is None:
+            return None
+        real, inner = begun
+        flaky = self
+
+        class Commit(AbstractContextManager[Transaction]):
+            def __enter__(self) -> Transaction:
+                return inner
+
+            def __exit__(self, *exc: Any) -> None:
+                if exc[0] is None and flaky.fail_now > 0:  # a failing COMMIT: rolled back
+                    flaky.fail_now -= 1
+                    flaky.failed_now += 1
+                    error = flaky.error
+                    real.__exit__(type(error), error, error.__traceback__)
+                    raise error
+                real.__exit__(*exc)
+
+        return Commit(), inner
 
 
 async def test_store_errors_nak_the_batch_and_nothing_is_half_done(
@@ -252,6 +276,71 @@ async def test_store_errors_nak_the_batch_and_nothing_is_half_done(
         finally:
             real.close()
             await conn.close()
+
+
+def plain_ledger() -> Agent[Account]:
+    """A ledger whose handler is a plain function: SQLite runs its transactions on the loop."""
+
+    class PlainLedger(Agent[Account]):
+        name = f"pled{uuid.uuid4().hex[:8]}"
+
+        @command("credit", key="account")
+        def credit(self, cmd: Envelope, state: Account) -> list[Output]:
+            return [Event("credited", {"amount": int(cmd.payload["amount"])})]
+
+        def apply(self, state: Account, event: Event) -> Account:
+            return Account(balance=state.balance + int(event.payload["amount"]))
+
+    return PlainLedger()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        StoreError("database is locked", kind="busy", retriable=True),
+        StoreError("disk I/O error", kind="error"),
+    ],
+    ids=["retriable", "not-retriable"],
+)
+async def test_a_failing_commit_on_the_event_loop_naks_and_nothing_is_half_done(
+    nats_url: str, sqlite_url: str, error: StoreError
+) -> None:
+    agent = plain_ledger()
+    settings = settings_for(nats_url, sqlite_url)
+    conn = await open_conn(settings)
+    real = await open_store_async(sqlite_url)
+    flaky = FlakyStore(real, fail=0, error=error, fail_now=1)
+
+    async def settled() -> bool:
+        return flaky.failed_now > 0 or await consumer_idle(conn, agent.name)
+
+    async def credit() -> Envelope:
+        return await send(conn, agent.name, "credit", {"account": "a", "amount": 1})
+
+    try:
+        async with running([agent], settings, store=flaky):  # type: ignore[arg-type]
+            # A lone command on an idle engine runs its transaction on the loop, unless
+            # the store is busy that instant: send them one by one until one did.
+            sent: list[Envelope] = []
+            while flaky.failed_now == 0:
+                assert len(sent) < 50, "no transaction ran on the event loop"
+                sent.append(await credit())
+                await wait_until(settled, within=30, what="the command handled or failed")
+            sent += [await credit(), await credit()]  # and the worker goes on
+            await wait_until(lambda: consumer_idle(conn, agent.name), within=30)
+        assert flaky.failed_now == 1
+        events = [m.envelope() for m in await events_of(conn, agent.name)]
+        assert sorted(e.causation_id for e in events if e) == sorted(c.id for c in sent)
+        assert len(list(real.events_read(agent.name, scope=SCOPE))) == len(sent)
+        with real.transaction() as tx:
+            state = msgspec.json.decode(
+                tx.state_get(agent.name, "a", scope=SCOPE) or b"", type=Account
+            )
+        assert state.balance == len(sent)
+        assert not await dead_letters_of(conn, agent.name)
+    finally:
+        real.close()
+        await conn.close()
 
 
 async def test_a_worker_told_to_stop_while_it_cannot_reach_nats_stops_at_once(

@@ -77,14 +77,29 @@ async def test_three_workers_one_killed_give_exactly_one_effect_per_command(
 
         await wait_until(stocked, within=60, what="the stock created")
         subject = "cmd.default.demo.order.create"
+
+        async def left() -> tuple[int, int]:
+            """The order commands not yet acknowledged, and those of them in a worker's hands."""
+            info = await conn.js.consumer_info("MESHFORGE_COMMANDS", "order_consumer")
+            return info.num_pending + info.num_ack_pending, info.num_ack_pending
+
+        async def kill_mid_work(worker: AgentProcess, sent: int) -> None:
+            """Kill ``worker`` once some of the ``sent`` commands are done and others in hand."""
+
+            async def mid_work() -> bool:
+                remaining, in_hand = await left()
+                return 0 < remaining < sent and in_hand > 0
+
+            await wait_until(mid_work, within=60, what="some orders applied, others in flight")
+            worker.kill()
+            assert (await left())[0] > 0, "the work was all done before the kill"
+            worker.start()
+
         await publisher.publish_many([Outbound.of(subject, e) for e in orders[:200]])
-        await asyncio.sleep(rng.uniform(0.3, 0.8))  # let work start, then kill a worker mid-flight
-        workers[0].kill()
-        workers[0].start()
+        await kill_mid_work(workers[0], 200)
+        outstanding = (await left())[0] + len(orders[200:] + resent)
         await publisher.publish_many([Outbound.of(subject, e) for e in orders[200:] + resent])
-        await asyncio.sleep(rng.uniform(0.2, 0.6))
-        workers[1].kill()
-        workers[1].start()
+        await kill_mid_work(workers[1], outstanding)
 
         async def idle() -> bool:
             return await consumer_idle(conn, "order") and await consumer_idle(conn, "inventory")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,10 @@ from meshforge.ops.retention import store_retention
 from meshforge.store import Store, StoredOutput
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import pytest
+
     from conftest import ManualClock
 
 WEEK = 7 * 86400.0
@@ -65,7 +70,10 @@ def test_zero_retention_keeps_rows_forever(store: Store, clock: ManualClock) -> 
     assert [r.key for r in store.inbox_read()] == ["ancient"]
 
 
-def test_a_store_error_is_logged_and_the_loop_goes_on(store: Store, clock: ManualClock) -> None:
+def test_a_store_error_is_logged_and_the_loop_goes_on(
+    store: Store, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="meshforge.retention")
     clock.now = datetime.now(UTC) - timedelta(days=8)
     handled(store, "old")
     calls = []
@@ -81,4 +89,38 @@ def test_a_store_error_is_logged_and_the_loop_goes_on(store: Store, clock: Manua
     finally:
         store.inbox_cleanup = real  # type: ignore[method-assign]
     assert len(calls) == 1
+    assert [
+        (r.name, r.levelno, r.getMessage())
+        for r in caplog.records
+        if r.name == "meshforge.retention"
+    ] == [
+        ("meshforge.retention", logging.WARNING, "inbox cleanup failed: StoreError: disk I/O error")
+    ]
     assert list(store.effects_read()) == []  # the effects pass still ran
+
+
+def test_inbox_rows_are_deleted_before_effects(store: Store, clock: ManualClock) -> None:
+    # docs/OPERATIONS.md: an audit must never see a processed inbox row whose effect is gone
+    clock.now = datetime.now(UTC) - timedelta(days=8)
+    handled(store, "old")
+    seen: list[tuple[str, list[str], list[str]]] = []
+    real_inbox, real_effects = store.inbox_cleanup, store.effects_cleanup
+
+    def watched(what: str, delete: Callable[[datetime], int]) -> Callable[[datetime], int]:
+        def run(older_than: datetime) -> int:
+            removed = delete(older_than)
+            inbox = [r.key for r in store.inbox_read()]
+            effects = [e.key for e in store.effects_read()]
+            seen.append((what, inbox, effects))
+            return removed
+
+        return run
+
+    store.inbox_cleanup = watched("inbox", real_inbox)  # type: ignore[method-assign]
+    store.effects_cleanup = watched("effects", real_effects)  # type: ignore[method-assign]
+    try:
+        run_once(store, WEEK, WEEK)
+    finally:
+        store.inbox_cleanup, store.effects_cleanup = real_inbox, real_effects  # type: ignore[method-assign]
+    # after the first delete the inbox row is gone and its effect is still there
+    assert seen == [("inbox", [], ["old"]), ("effects", [], [])]
