@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from email.header import Header, decode_header
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,8 @@ RESERVED = (
     "Dlq-Chunk",
     "Dlq-Original-Headers",
 )
+# The header names nats-py publishes (an HTTP token); the server itself accepts more.
+_SENDABLE_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 #: A producer's own copy of a reserved header is kept under this prefix, which nothing reads.
 PRODUCER_PREFIX = "Producer-"
 
@@ -188,13 +191,17 @@ def is_reserved(name: str) -> bool:
 
 def producer_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """A producer's headers with each reserved one renamed to ``Producer-<name>``: kept as
-    data, never read as if the runtime wrote it.
+    data, never read as if the runtime wrote it. A name that is not an HTTP token (which
+    nats-py refuses to publish, so neither the dead letter nor its re-drive could be sent)
+    is dropped.
 
     >>> producer_headers({"Dlq-Original": ">", "X-Note": "kept"})
     {'Producer-Dlq-Original': '>', 'X-Note': 'kept'}
     """
     out: dict[str, str] = {}
     for name, value in headers.items():
+        if not _SENDABLE_NAME.fullmatch(name):
+            continue  # the server took it, but no client can send it again: dropped
         out[PRODUCER_PREFIX + name if is_reserved(name) else name] = value
     return out
 
