@@ -7,6 +7,7 @@ A dead letter's ID is its sequence number in ``MESHFORGE_FAILED`` (the first col
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
@@ -64,15 +65,32 @@ SubjectFilter = Annotated[
 ]
 
 
+Tenant = Annotated[
+    str | None,
+    typer.Option(
+        "--tenant",
+        help="Bind to one tenant: read, re-drive and purge only its dead letters"
+        " (failed.cmd.TENANT.>), whatever a letter's headers say.",
+    ),
+]
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(dlq_app, name="dlq")
 
 
-def _run(nats_url: str | None, work: Callable[[DeadLetters], Awaitable[T]]) -> T:
+def _run(
+    nats_url: str | None,
+    work: Callable[[DeadLetters], Awaitable[T]],
+    tenant: str | None = None,
+) -> T:
     """Connect, build the admin API and run ``work``; NATS failures become one-line errors."""
     from meshforge.config import load_settings
+    from meshforge.topology.subjects import validate_token
 
     settings = load_settings({"nats_url": nats_url})
+    if tenant is not None:
+        validate_token(tenant, "tenant")
 
     async def go(url: str) -> T:
         from meshforge.deadletters.admin import DeadLetters
@@ -82,7 +100,8 @@ def _run(nats_url: str | None, work: Callable[[DeadLetters], Awaitable[T]]) -> T
 
         async with await connect(settings, url=url, name="meshforge-dlq") as conn:
             try:
-                return await work(DeadLetters(conn.js, Publisher(conn.js, settings)))
+                publisher = Publisher(conn.js, settings)
+                return await work(DeadLetters(conn.js, publisher, tenant=tenant))
             except MeshForgeError:
                 raise
             except Exception as exc:  # nats-py errors: one line, not a traceback
@@ -100,6 +119,14 @@ def _short(text: str, width: int) -> str:
 def ls(
     limit: Annotated[int, typer.Option("--limit", min=1, help="Show at most this many.")] = 100,
     subject: SubjectFilter = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print a JSON array of {id, subject, reason, error, deliveries, time, truncated}.",
+        ),
+    ] = False,
+    tenant: Tenant = None,
     nats_url: NatsUrl = None,
 ) -> None:
     """List dead letters, oldest first: id, original subject, reason, error, deliveries.
@@ -119,7 +146,10 @@ def ls(
         except MissingTopology:
             return None  # nothing provisioned yet, so nothing was dead-lettered either
 
-    listed = _run(nats_url, work)
+    listed = _run(nats_url, work, tenant)
+    if as_json:
+        typer.echo(json.dumps([_json_row(x) for x in (listed[0] if listed else [])], indent=2))
+        return
     console = new_console()
     if listed is None:
         console.print(
@@ -152,6 +182,20 @@ def ls(
     console.print(table)
 
 
+def _json_row(letter: DeadLetter) -> dict[str, Any]:
+    """One dead letter as ``dlq ls --json`` prints it (ASCII JSON: nothing drives a terminal)."""
+    stored = letter.stored_at.isoformat() if letter.stored_at else None
+    return {
+        "id": letter.seq,
+        "subject": letter.original_subject,
+        "reason": letter.reason,
+        "error": letter.error,
+        "deliveries": letter.deliveries,
+        "time": letter.timestamp or stored,
+        "truncated": bool(letter.truncated),
+    }
+
+
 @dlq_app.command("show")
 def show(
     seq: Annotated[int, typer.Argument(metavar="ID", help="The dead letter's id (from dlq ls).")],
@@ -168,6 +212,7 @@ def show(
         Path | None,
         typer.Option("--body-file", help="Also write the whole body, as stored, to this file."),
     ] = None,
+    tenant: Tenant = None,
     nats_url: NatsUrl = None,
 ) -> None:
     """Print one dead letter: its headers, then its body (pretty-printed when it is JSON).
@@ -180,7 +225,7 @@ def show(
         letter = await letters.get(seq)
         return letter, (await letters.original(letter) if original else None)
 
-    letter, whole = _run(nats_url, work)
+    letter, whole = _run(nats_url, work, tenant)
     console = new_console()
     if whole is None:
         console.print(Text(f"dead letter {letter.seq} on {letter.subject}"))
@@ -243,6 +288,7 @@ def redrive(
     ] = None,
     all_: Annotated[bool, typer.Option("--all", help="Re-drive every dead letter.")] = False,
     subject: SubjectFilter = None,
+    tenant: Tenant = None,
     nats_url: NatsUrl = None,
 ) -> None:
     """Publish dead letters again to their original subjects; each is removed after its PubAck."""
@@ -264,7 +310,7 @@ def redrive(
             typer.echo(f"re-drove {seq} -> {result.stream} seq={result.seq}")
         return len(ids or [])
 
-    count = _run(nats_url, work)
+    count = _run(nats_url, work, tenant)
     typer.echo(f"{count} dead letter(s) re-driven")
 
 
@@ -272,6 +318,7 @@ def redrive(
 def purge(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     subject: SubjectFilter = None,
+    tenant: Tenant = None,
     nats_url: NatsUrl = None,
 ) -> None:
     """Delete every dead letter (or those matching --subject) for good."""
@@ -285,5 +332,5 @@ def purge(
     async def work(letters: DeadLetters) -> int:
         return await letters.purge(subject)
 
-    count = _run(nats_url, work)
+    count = _run(nats_url, work, tenant)
     typer.echo(f"purged {count} dead letter(s)")

@@ -210,28 +210,31 @@ async def _last(js: JetStreamContext, stream: str, subject: str, n: int) -> Star
 
 def render(msg: Msg, as_json: bool) -> str:
     """One line for one stored message: pretty (time, seq, subject, type, payload) or JSON."""
+    from meshforge.deadletters.show import printable
+    from meshforge.transport.headers import text_headers
+
     meta = msg.metadata
     stamp = meta.timestamp.astimezone(UTC)
     body = _body(msg.data)
     if as_json:
-        return json.dumps(
-            {
-                "stream": meta.stream,
-                "seq": meta.sequence.stream,
-                "subject": msg.subject,
-                "time": stamp.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-                "headers": dict(msg.headers or {}),
-                "body": body,
-            },
-            ensure_ascii=False,
-        )
+        row = {
+            "stream": meta.stream,
+            "seq": meta.sequence.stream,
+            "subject": msg.subject,
+            "time": stamp.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "headers": text_headers(msg.headers),
+            "body": body,
+        }
+        line = json.dumps(row, ensure_ascii=False)
+        # A character that drives a terminal (bidi, C1) is sent as a JSON escape instead.
+        return line if line.isprintable() else json.dumps(row)
     head = f"{stamp:%H:%M:%S.%f}"[:-3] + f" #{meta.sequence.stream} {msg.subject}"
     if isinstance(body, dict) and isinstance(body.get("payload"), dict):
         cause = f" causation={body['causation_id']}" if body.get("causation_id") else ""
         payload = json.dumps(body["payload"], ensure_ascii=False, separators=(", ", ": "))
-        return f"{head} {body.get('type')} id={body.get('id')}{cause} {payload}"
+        return printable(f"{head} {body.get('type')} id={body.get('id')}{cause} {payload}")
     shown = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)
-    return f"{head} (not an envelope) {shown[:200]}"
+    return printable(f"{head} (not an envelope) {shown[:200]}")
 
 
 def _body(data: bytes) -> Any:

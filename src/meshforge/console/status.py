@@ -23,6 +23,7 @@ from meshforge.control.presence import NODES_BUCKET
 from meshforge.deadletters.route import H_DLQ_REASON
 from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_FAILED, matches
 from meshforge.transport.connection import Connection
+from meshforge.transport.headers import text_headers
 
 __all__ = ["ConsumerRow", "Overview", "StatusReader", "StreamRow"]
 
@@ -171,7 +172,8 @@ class StatusReader:
                 except (TimeoutError, nats.errors.TimeoutError):
                     return dict(counts), False
                 if not (msg.subject or "").startswith("failed.original."):
-                    counts[(msg.headers or {}).get(H_DLQ_REASON, "") or "unknown"] += 1
+                    reason = text_headers(msg.headers).get(H_DLQ_REASON, "")
+                    counts[reason or "unknown"] += 1
                 if msg.metadata.num_pending == 0:
                     return dict(counts), False
             return dict(counts), True

@@ -54,8 +54,9 @@ class Console:
         return self.conn
 
     def letters(self) -> DeadLetters:
-        """The same admin API ``meshforge dlq`` uses."""
-        return DeadLetters(self.connection.js, Publisher(self.connection.js, self.settings))
+        """The same admin API ``meshforge dlq`` uses, bound to the console's tenant (if any)."""
+        js = self.connection.js
+        return DeadLetters(js, Publisher(js, self.settings), tenant=self.tenant)
 
     def status(self) -> StatusReader:
         return StatusReader(self.connection, tenant=self.tenant)

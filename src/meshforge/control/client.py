@@ -37,6 +37,7 @@ from meshforge.topology.subjects import (
     validate_token,
 )
 from meshforge.transport.connection import Connection
+from meshforge.transport.headers import text_headers
 
 __all__ = ["ControlClient", "NodeStatus", "TimeSpec", "node_durable", "to_timestamp"]
 
@@ -262,7 +263,7 @@ class ControlClient:
                     msg = await sub.next_msg(timeout=left)
                 except (TimeoutError, NatsTimeoutError):
                     return None
-                found = _match(msg.data, dict(msg.headers or {}), command_id)
+                found = _match(msg.data, text_headers(msg.headers), command_id)
                 if found is not None:
                     return found
                 if stored_only and msg.metadata.num_pending == 0:

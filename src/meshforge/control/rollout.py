@@ -49,6 +49,7 @@ from meshforge.ops.faults import crash_point
 from meshforge.ops.observability import Metrics
 from meshforge.topology.subjects import STREAM_REPLIES
 from meshforge.transport.connection import Connection
+from meshforge.transport.headers import text_headers
 
 __all__ = ["JobController", "figures", "summarize"]
 
@@ -196,11 +197,12 @@ class JobController:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start)
 
         async def on_reply(msg: Msg) -> None:
-            cause = (msg.headers or {}).get(H_CAUSATION)
+            headers = text_headers(msg.headers)
+            cause = headers.get(H_CAUSATION)
             if cause is not None and cause not in self._ids:
                 return
             try:
-                reply = Reply.from_envelope(decode(msg.data, dict(msg.headers or {})))
+                reply = Reply.from_envelope(decode(msg.data, headers))
             except MalformedMessage:
                 return
             if reply.command_id in self._ids:

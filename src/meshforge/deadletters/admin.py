@@ -5,6 +5,11 @@ letters (``failed.original.<stream>.<seq>``, see ``meshforge.deadletters.origina
 stream but are not dead letters: they are not listed or counted, and they go when their
 dead letter is re-driven.
 
+A ``DeadLetters`` bound to a tenant reads, counts, re-drives and purges that tenant's
+dead letters only (``failed.cmd.<tenant>.>``): the subject is the authority, never a
+header. A letter's kept original is the one the router wrote for it, found from the
+letter's own stream and sequence and checked on read.
+
 Example::
 
     letters = DeadLetters(conn.js, Publisher(conn.js))
@@ -31,10 +36,21 @@ from meshforge.deadletters.originals import (
     read_original,
     remove_original,
 )
-from meshforge.deadletters.route import DeadLetter, _letter, _without_dlq, redrive_id
+from meshforge.deadletters.route import (
+    H_DLQ_ORIGINAL,
+    DeadLetter,
+    _letter,
+    _without_dlq,
+    redrive_id,
+)
 from meshforge.envelope import H_MSG_ID
 from meshforge.errors import MeshForgeError, MissingTopology, one_line
-from meshforge.topology.subjects import STREAM_FAILED, validate_subject
+from meshforge.topology.subjects import (
+    DEAD_LETTER_PREFIX,
+    STREAM_FAILED,
+    matches,
+    validate_subject,
+)
 
 if TYPE_CHECKING:
     from nats.js.api import RawStreamMsg
@@ -59,11 +75,49 @@ class DeadLetters:
     """
 
     def __init__(
-        self, js: JetStreamContext, publisher: Publisher, *, stream: str = STREAM_FAILED
+        self,
+        js: JetStreamContext,
+        publisher: Publisher,
+        *,
+        stream: str = STREAM_FAILED,
+        tenant: str | None = None,
     ) -> None:
         self.js = js
         self.publisher = publisher
         self.stream = stream
+        self.tenant = tenant
+
+    @property
+    def scope(self) -> str | None:
+        """The dead letters this API may touch (``failed.cmd.<tenant>.>``), None for all."""
+        return f"{DEAD_LETTER_PREFIX}cmd.{self.tenant}.>" if self.tenant else None
+
+    def within(self, subject_filter: str | None) -> str | None:
+        """``subject_filter`` validated (a pattern under ``failed.``), inside this tenant when
+        bound (no filter: the whole tenant); else ``MeshForgeError`` naming the tenant."""
+        if subject_filter:
+            validate_subject(subject_filter, wildcards=True)
+        if not self.tenant:
+            return subject_filter or None
+        if not subject_filter:
+            return self.scope
+        tokens = subject_filter.split(".")
+        if len(tokens) < 4 or tokens[:3] != ["failed", "cmd", self.tenant]:
+            raise MeshForgeError(
+                f"bound to tenant {self.tenant!r}: a subject must start with "
+                f"failed.cmd.{self.tenant}., got {subject_filter[:80]!r}"
+            )
+        return subject_filter
+
+    def _mine(self, letter: DeadLetter) -> bool:
+        """Whether a tenant-bound API may see ``letter`` (its subject and original both
+        the tenant's; the router writes them equal)."""
+        scope = self.scope
+        if scope is None:
+            return True
+        return matches(scope, letter.subject) and matches(
+            scope.removeprefix(DEAD_LETTER_PREFIX), letter.original_subject
+        )
 
     def _missing(self) -> MissingTopology:
         return MissingTopology(
@@ -76,9 +130,9 @@ class DeadLetters:
 
     async def count(self, subject_filter: str | None = None) -> int:
         """How many dead letters are stored (matching ``subject_filter``, e.g. ``failed.cmd.>``)."""
+        subject_filter = self.within(subject_filter)
         try:
             if subject_filter:
-                validate_subject(subject_filter, wildcards=True)
                 counts = await self._subject_counts(subject_filter)
                 return sum(n for s, n in counts.items() if not is_original_copy(s))
             info = await self.js.stream_info(self.stream)
@@ -101,8 +155,7 @@ class DeadLetters:
 
     async def list(self, limit: int = 100, subject_filter: str | None = None) -> list[DeadLetter]:
         """The oldest ``limit`` dead letters (matching ``subject_filter``), oldest first."""
-        if subject_filter:
-            validate_subject(subject_filter, wildcards=True)
+        subject_filter = self.within(subject_filter)
         letters: list[DeadLetter] = []
         seq = 1
         while len(letters) < limit:
@@ -131,8 +184,7 @@ class DeadLetters:
         pattern, ``reason`` and stored at or after ``since``), and the sequence the next
         page starts at (None at the end of the stream). Reads at most ``scan_limit``
         messages, so a rare reason never makes one page read a million letters."""
-        if subject_filter:
-            validate_subject(subject_filter, wildcards=True)
+        subject_filter = self.within(subject_filter)
         if since is not None:
             start = max(start, await self.first_seq_since(since))
         letters: builtins.list[DeadLetter] = []
@@ -173,31 +225,58 @@ class DeadLetters:
         return low
 
     async def get(self, seq: int) -> DeadLetter:
-        """The dead letter with id ``seq``; raises ``MeshForgeError`` when there is none."""
+        """The dead letter with id ``seq``; raises ``MeshForgeError`` when there is none
+        (or, for a tenant-bound API, when it is another tenant's: it looks absent)."""
+        absent = MeshForgeError(f"no dead letter with id {seq} in {self.stream}")
         try:
             raw = await self.js.get_msg(self.stream, seq=seq)
         except nats.js.errors.NotFoundError as exc:
             if exc.err_code == _STREAM_MISSING:
                 raise self._missing() from None
-            raise MeshForgeError(f"no dead letter with id {seq} in {self.stream}") from None
-        return _letter(
+            raise absent from None
+        letter = _letter(
             raw.seq or seq, raw.subject or "", raw.data or b"", raw.headers or {}, raw.time
         )
+        if not self._mine(letter):
+            raise absent
+        return letter
 
     async def original(self, letter: DeadLetter) -> Original:
         """The whole message ``letter`` was made of: for a truncated dead letter, the
         original kept beside it; else the dead letter without its ``Dlq-*`` headers.
         Raises ``MeshForgeError`` when a truncated letter's original is gone."""
+        if not self._mine(letter):
+            raise MeshForgeError(f"no dead letter with id {letter.seq} in {self.stream}")
         if not letter.truncated:
             return Original(letter.original_subject, letter.original_headers, letter.data)
+        copy = self._own_copy(letter)
         try:
-            found = await read_original(self.js, self.stream, letter.original_copy)
+            found = await read_original(
+                self.js, self.stream, copy, subject_of=letter.original_subject
+            )
         except MeshForgeError as exc:
             raise MeshForgeError(
                 f"dead letter {letter.seq} is truncated ({letter.truncated}) and {exc}: "
                 f"only its truncated copy is left (`meshforge dlq show {letter.seq}`)"
             ) from None
         return Original(letter.original_subject or found.subject, found.headers, found.data)
+
+    def _own_copy(self, letter: DeadLetter) -> str:
+        """The subject of ``letter``'s own kept original, as the router wrote the link; a
+        ``Dlq-Original`` naming anything else (a stored forgery) is refused."""
+        copy = letter.original_copy
+        if not copy:
+            raise MeshForgeError(
+                f"dead letter {letter.seq} is truncated but names no source stream and "
+                "sequence: its original cannot be found"
+            )
+        named = letter.headers.get(H_DLQ_ORIGINAL)
+        if named is not None and named != copy:
+            raise MeshForgeError(
+                f"dead letter {letter.seq} names a kept original that is not its own "
+                f"({named[:80]!r}, expected {copy}): refused"
+            )
+        return copy
 
     async def redrive(self, seq: int) -> PublishResult:
         """Publish dead letter ``seq`` again to its original subject with its original body and
@@ -228,7 +307,7 @@ class DeadLetters:
         )
         await self._delete(seq)
         if letter.truncated:
-            await remove_original(self.js, self.stream, letter.original_copy)
+            await remove_original(self.js, self.stream, self._own_copy(letter))
         log.info(
             "re-drove dead letter %d to %s (%s #%d)",
             seq,
@@ -245,8 +324,7 @@ class DeadLetters:
         oldest first, each once; returns ``(dead letter id, result)`` pairs. Dead letters
         written meanwhile (a re-driven message failing again) wait for the next call.
         Stops at the first failure (raising it)."""
-        if subject_filter:
-            validate_subject(subject_filter, wildcards=True)
+        subject_filter = self.within(subject_filter)
         try:
             last = int((await self.js.stream_info(self.stream)).state.last_seq)
         except nats.js.errors.NotFoundError:
@@ -270,7 +348,9 @@ class DeadLetters:
         """Delete every dead letter (matching ``subject_filter``); returns how many there were.
 
         Without a filter the kept originals go too; ``failed.original.>`` removes only them.
+        A tenant-bound API purges inside its tenant only (no filter: the whole tenant).
         """
+        subject_filter = self.within(subject_filter)
         before = await self.count(subject_filter)
         try:
             await self.js.purge_stream(self.stream, subject=subject_filter)

@@ -28,8 +28,9 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from meshforge.envelope import H_MSG_ID, Outbound
-from meshforge.errors import MeshForgeError
+from meshforge.errors import InvalidSubject, MeshForgeError
 from meshforge.topology.subjects import validate_subject
+from meshforge.transport.headers import text_headers
 
 if TYPE_CHECKING:
     from meshforge.publish.publisher import Publisher
@@ -41,6 +42,7 @@ __all__ = [
     "Original",
     "is_original_copy",
     "keep_original",
+    "literal_copy",
     "original_copy_subject",
     "read_original",
     "remove_original",
@@ -66,6 +68,21 @@ class Original:
 def original_copy_subject(stream: str, seq: int) -> str:
     """``failed.original.<stream>.<seq>``: where the original of ``stream`` #``seq`` is kept."""
     return validate_subject(f"{ORIGINAL_PREFIX}{stream}.{seq}")
+
+
+def literal_copy(copy: str) -> str:
+    """``copy`` if it is one kept original's literal subject (``failed.original.<stream>.<seq>``,
+    no wildcard), else ``MeshForgeError``: nothing is read or removed by pattern."""
+    try:
+        validate_subject(copy)
+    except InvalidSubject as exc:
+        raise MeshForgeError(f"not a kept original's subject: {exc}") from None
+    tokens = copy.split(".")
+    if not copy.startswith(ORIGINAL_PREFIX) or len(tokens) != 4 or not tokens[3].isdecimal():
+        raise MeshForgeError(
+            f"not a kept original's subject: {copy[:80]!r} (expected {ORIGINAL_PREFIX}<stream>.<seq>)"
+        )
+    return copy
 
 
 def is_original_copy(subject: str) -> bool:
@@ -110,9 +127,13 @@ def _chunk(headers: dict[str, str]) -> tuple[int, int] | None:
     return (i, n) if 1 <= i <= n else None
 
 
-async def read_original(js: JetStreamContext, stream: str, copy: str) -> Original:
-    """The original kept on ``copy`` in ``stream``; raises ``MeshForgeError`` when it is
-    missing or incomplete."""
+async def read_original(
+    js: JetStreamContext, stream: str, copy: str, *, subject_of: str | None = None
+) -> Original:
+    """The original kept on ``copy`` (a literal subject) in ``stream``; raises
+    ``MeshForgeError`` when it is missing or incomplete, or (with ``subject_of``) when it
+    was kept for another subject than ``subject_of``: a letter reads only its own."""
+    literal_copy(copy)
     parts: dict[int, bytes] = {}
     total: int | None = None
     head_len = 0
@@ -126,7 +147,7 @@ async def read_original(js: JetStreamContext, stream: str, copy: str) -> Origina
         if raw.seq is None:
             break
         seq = raw.seq + 1
-        headers = dict(raw.headers or {})
+        headers = text_headers(raw.headers)
         place = _chunk(headers)
         if place is None:
             continue
@@ -134,6 +155,10 @@ async def read_original(js: JetStreamContext, stream: str, copy: str) -> Origina
         parts.setdefault(index, raw.data or b"")  # a copy stored twice reads as one
         head_len = int(headers.get(H_DLQ_ORIGINAL_HEADERS, "0") or 0)
         subject = headers.get(H_DLQ_ORIGINAL_SUBJECT, subject)
+        if subject_of is not None and subject != subject_of:
+            raise MeshForgeError(
+                f"the original kept on {copy} is of another subject than its dead letter's"
+            )
     if total is None or len(parts) < total:
         found = f"{len(parts)} of {total} chunks" if total else "nothing"
         raise MeshForgeError(f"the original kept on {copy} is missing ({found} in {stream})")
@@ -146,7 +171,22 @@ async def read_original(js: JetStreamContext, stream: str, copy: str) -> Origina
     return Original(subject=subject, headers=headers_out, data=blob[head_len:])
 
 
-async def remove_original(js: JetStreamContext, stream: str, copy: str) -> None:
-    """Delete every chunk of the original kept on ``copy`` (nothing there is fine)."""
-    with contextlib.suppress(nats.js.errors.NotFoundError):
-        await js.purge_stream(stream, subject=copy)
+async def remove_original(js: JetStreamContext, stream: str, copy: str) -> int:
+    """Delete every chunk of the original kept on ``copy``, a literal subject, one stream
+    sequence at a time (nothing there is fine); returns how many were deleted."""
+    literal_copy(copy)
+    seqs: list[int] = []
+    seq = 1
+    while True:
+        try:
+            raw = await js.get_msg(stream, seq=seq, subject=copy, next=True)
+        except nats.js.errors.NotFoundError:
+            break
+        if raw.seq is None:
+            break
+        seqs.append(raw.seq)
+        seq = raw.seq + 1
+    for found in seqs:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await js.delete_msg(stream, found)
+    return len(seqs)

@@ -1,7 +1,9 @@
 """Dead letters: routing a message to ``failed.<subject>``, inspecting and re-driving it.
 
-A dead letter is the original body with the original headers untouched plus the
-``Dlq-*`` headers of CONTRACT.md. Its ``Nats-Msg-Id`` is the original's (or
+A dead letter is the original body with the original headers plus the ``Dlq-*`` headers
+of CONTRACT.md. ``Dlq-*`` is the runtime's reserved namespace: a producer's own copy of
+such a header is renamed ``Producer-Dlq-...`` here, the one gate, so every tool after it
+may trust a ``Dlq-*`` header as the router's. Its ``Nats-Msg-Id`` is the original's (or
 ``dlq-<stream>-<seq>``), so a dead letter written twice after a crash is stored once.
 A dead letter that would not fit the server's limits is truncated (body cut, longest
 headers dropped, ``Dlq-Truncated`` saying what was cut) and the whole original is kept
@@ -36,6 +38,7 @@ from meshforge.topology.subjects import (
     dead_letter_subject,
     original_of_dead_letter,
 )
+from meshforge.transport.headers import RESERVED_PREFIX, producer_headers, text_headers
 from meshforge.transport.sizes import Fitted, check_fits
 
 if TYPE_CHECKING:
@@ -71,7 +74,7 @@ H_DLQ_CONSUMER = "Dlq-Consumer"
 H_DLQ_TIMESTAMP = "Dlq-Timestamp"
 H_DLQ_TRUNCATED = "Dlq-Truncated"
 H_DLQ_ORIGINAL = "Dlq-Original"
-DLQ_PREFIX = "Dlq-"
+DLQ_PREFIX = RESERVED_PREFIX
 # A longer original id is not reused as the dead letter's (it could not be kept whole).
 _MAX_ID = 256
 _REDRIVE_SUFFIX = re.compile(r"(?:-redrive-\d+)+$")
@@ -150,7 +153,8 @@ async def dead_letter(
         raise ValueError(f"reason must be one of {', '.join(REASONS)}, got {reason!r}")
     meta = msg.metadata
     stream, seq = meta.stream, meta.sequence.stream
-    original = dict(msg.headers or {})
+    # Text only (no email Header objects), and no producer copy of a reserved header.
+    original = producer_headers(text_headers(msg.headers))
     headers = {k: v for k, v in original.items() if k.lower() not in _DIRECTIVES}
     headers.update(
         {
@@ -249,13 +253,15 @@ class DeadLetter:
 
     @property
     def original_copy(self) -> str:
-        """Where the whole original of a truncated dead letter is kept ("" when whole)."""
-        if not self.truncated:
+        """Where the whole original of a truncated dead letter is kept ("" when whole, or
+        when the letter names no source). Derived from the letter's own stream and sequence,
+        never taken from a header: ``failed.original.<stream>.<seq>``, a literal subject."""
+        if not self.truncated or not self.stream or self.stream_seq is None:
             return ""
-        copy = self.headers.get(H_DLQ_ORIGINAL, "")
-        if not copy and self.stream and self.stream_seq is not None:
-            copy = original_copy_subject(self.stream, self.stream_seq)
-        return copy
+        try:
+            return original_copy_subject(self.stream, self.stream_seq)
+        except InvalidSubject:
+            return ""
 
 
 def _without_dlq(headers: Mapping[str, str]) -> dict[str, str]:
@@ -276,9 +282,9 @@ def _int(value: str | None) -> int | None:
 
 
 def _letter(
-    seq: int, subject: str, data: bytes, headers: Mapping[str, str], stored: datetime | None
+    seq: int, subject: str, data: bytes, headers: Mapping[str, object], stored: datetime | None
 ) -> DeadLetter:
-    h = dict(headers)
+    h = text_headers(headers)
     original = h.get(H_DLQ_ORIGINAL_SUBJECT)
     if not original:
         try:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from meshforge.errors import one_line
 from meshforge.topology.scope import Scope
+from meshforge.transport.headers import text_headers
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -357,7 +358,8 @@ async def seed_from_stream(
                 break
             if msg.seq is None or msg.seq > last:
                 break
-            slot = slot_of(msg.subject or "", msg.data or b"", dict(msg.headers or {}))
+            # get_msg gives non-ASCII values as email Header objects
+            slot = slot_of(msg.subject or "", msg.data or b"", text_headers(msg.headers))
             if slot is not None:
                 found.append((slot, msg.seq))
             seq = msg.seq + 1

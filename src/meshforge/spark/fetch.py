@@ -35,7 +35,7 @@ from nats.aio.subscription import Subscription
 
 from meshforge.errors import ConnectionFailed
 from meshforge.spark.nats_sync import JetStreamApiError, SyncNats
-from meshforge.transport.headers import parse_header_block
+from meshforge.transport.headers import parse_header_block, text_headers
 
 __all__ = ["Chunk", "read_range"]
 
@@ -170,7 +170,7 @@ class _Pull:
         chunk.subjects.append(msg.subject)
         chunk.seqs.append(sseq)
         chunk.ts_ns.append(int(tokens[base + 5]))
-        chunk.headers.append(msg.headers)
+        chunk.headers.append(text_headers(msg.headers) or None)
         chunk.data.append(msg.data)
         self.got += 1
         if sseq >= self.last or tokens[base + 6] == "0":

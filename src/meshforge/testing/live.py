@@ -35,6 +35,7 @@ from meshforge.store.base import Store
 from meshforge.topology.scope import Scope
 from meshforge.topology.subjects import STREAM_EVENTS, command_subject
 from meshforge.transport.connection import Connection, connect
+from meshforge.transport.headers import text_headers
 
 __all__ = ["WorkerHarness"]
 
@@ -140,7 +141,7 @@ class WorkerHarness:
                 return found
             if raw.seq is None:
                 return found
-            found.append(decode(raw.data or b"", raw.headers or {}))
+            found.append(decode(raw.data or b"", text_headers(raw.headers)))
             seq = raw.seq + 1
 
     async def wait_events(

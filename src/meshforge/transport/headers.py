@@ -26,14 +26,52 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import re
+from collections.abc import Mapping
+from email.header import Header, decode_header
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
 
-__all__ = ["parse_header_block", "parse_header_lines", "server_status"]
+__all__ = [
+    "PRODUCER_PREFIX",
+    "RESERVED",
+    "RESERVED_PREFIX",
+    "header_text",
+    "is_reserved",
+    "parse_header_block",
+    "parse_header_lines",
+    "producer_headers",
+    "server_status",
+    "text_headers",
+]
+
+#: The header namespace the runtime owns (docs/CONTRACT.md, "Reserved headers"): every
+#: ``Dlq-*`` header. The router writes them; the tools (``dlq``, the console, the
+#: pipeline's audit) read them and trust only the router's copy.
+RESERVED_PREFIX = "Dlq-"
+#: Each reserved header the runtime writes and some tool reads, by name.
+RESERVED = (
+    "Dlq-Reason",
+    "Dlq-Error",
+    "Dlq-Deliveries",
+    "Dlq-Original-Subject",
+    "Dlq-Stream",
+    "Dlq-Stream-Seq",
+    "Dlq-Consumer",
+    "Dlq-Timestamp",
+    "Dlq-Truncated",
+    "Dlq-Original",
+    "Dlq-Chunk",
+    "Dlq-Original-Headers",
+)
+# The header names nats-py publishes (an HTTP token); the server itself accepts more.
+_SENDABLE_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: A producer's own copy of a reserved header is kept under this prefix, which nothing reads.
+PRODUCER_PREFIX = "Producer-"
 
 _CRLF = b"\r\n"
 _HDR_LINE = len(b"NATS/1.0")  # a block's first line; a space after it: an inline status
@@ -108,6 +146,64 @@ def parse_header_block(block: bytes | None) -> dict[str, str] | None:
         # has a space in its name, so it is skipped as any such line is)
         out.update(parse_header_lines(block[_HDR_LINE + len(_CRLF) :]))
     return out or None
+
+
+def header_text(value: object) -> str:
+    """Any header value nats-py hands back as printable-ready ``str``, never raising.
+
+    Subscriptions give ``str``; ``js.get_msg`` gives an ``email.header.Header`` for a value
+    that is not ASCII; bytes may come from elsewhere. Bytes are UTF-8 with a bad byte as
+    U+FFFD, the rule of ``parse_header_lines``, so every reader shows one value alike.
+
+    >>> from email.header import Header
+    >>> header_text(Header("café".encode(), "unknown-8bit"))
+    'café'
+    >>> header_text(bytes([98, 255]))
+    'b�'
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, Header):
+        try:
+            parts = decode_header(value)
+        except Exception:  # a malformed encoded word: its text as the email package sees it
+            return str(value).encode("utf-8", "replace").decode("utf-8", "replace")
+        return "".join(
+            part.decode("utf-8", "replace") if isinstance(part, bytes) else str(part)
+            for part, _charset in parts
+        )
+    return str(value)
+
+
+def text_headers(headers: Mapping[Any, Any] | None) -> dict[str, str]:
+    """A header mapping from nats-py (``None`` too) with every name and value as ``str``."""
+    if not headers:
+        return {}
+    return {header_text(k): header_text(v) for k, v in headers.items()}
+
+
+def is_reserved(name: str) -> bool:
+    """Whether ``name`` is in the runtime's own header namespace (case-insensitive)."""
+    return name.lower().startswith(RESERVED_PREFIX.lower())
+
+
+def producer_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """A producer's headers with each reserved one renamed to ``Producer-<name>``: kept as
+    data, never read as if the runtime wrote it. A name that is not an HTTP token (which
+    nats-py refuses to publish, so neither the dead letter nor its re-drive could be sent)
+    is dropped.
+
+    >>> producer_headers({"Dlq-Original": ">", "X-Note": "kept"})
+    {'Producer-Dlq-Original': '>', 'X-Note': 'kept'}
+    """
+    out: dict[str, str] = {}
+    for name, value in headers.items():
+        if not _SENDABLE_NAME.fullmatch(name):
+            continue  # the server took it, but no client can send it again: dropped
+        out[PRODUCER_PREFIX + name if is_reserved(name) else name] = value
+    return out
 
 
 def server_status(msg: Msg) -> str | None:
