@@ -105,6 +105,7 @@ class Settings(AuthSettings):
     console_viewer_token_file: str | None = None
     console_operator_token: str | None = field(default=None, repr=False)
     console_operator_token_file: str | None = None
+    console_session_idle: float = 1800.0
 
     def __repr__(self) -> str:
         # URLs may carry a password; secrets are left out (see SECRET_SETTINGS)
@@ -336,6 +337,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "console_viewer_token_file": _text,
     "console_operator_token": _text,
     "console_operator_token_file": _text,
+    "console_session_idle": _duration(positive=True),
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(Settings)}, "a setting lacks a parser"
 

@@ -9,7 +9,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,18 +25,30 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshforge.config import Settings
 from meshforge.console import jobs, letters, pages
-from meshforge.console.auth import CSP, SECURITY_HEADERS, ConsoleTokens
+from meshforge.console.auth import (
+    CSP,
+    SECURITY_HEADERS,
+    SESSION_LIFETIME,
+    Clock,
+    ConsoleTokens,
+    Sessions,
+    SignInThrottle,
+)
 from meshforge.console.web import HERE, Console
 from meshforge.transport.connection import connect
 
 __all__ = ["create_app"]
+
+log = logging.getLogger("meshforge.console")
 
 DEFAULT_REPORTS = Path(".meshforge/pipeline")
 _LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
 
 
 class SecurityHeaders:
-    """Adds the CSP and the other security headers to every response that lacks them."""
+    """Adds the CSP and the other security headers to every response that lacks them, and
+    answers an unexpected error itself (a plain 500, the trace in the log only), so that
+    answer carries them too."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -53,9 +67,28 @@ class SecurityHeaders:
                     if name.lower().encode() not in present:
                         headers.append((name.lower().encode(), value.encode()))
                 message["headers"] = headers
+                started.append(True)
             await send(message)
 
-        await self.app(scope, receive, with_headers)
+        started: list[bool] = []
+        try:
+            await self.app(scope, receive, with_headers)
+        except Exception:
+            log.exception("console: %s %s failed", scope.get("method"), scope.get("path"))
+            if started:
+                raise  # the answer is under way: the server can only cut it short
+            body = b"internal error: the console logged it\n"
+            await with_headers(
+                {
+                    "type": "http.response.start",
+                    "status": 500,
+                    "headers": [
+                        (b"content-type", b"text/plain; charset=utf-8"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
 
 
 def create_app(
@@ -65,10 +98,18 @@ def create_app(
     tokens: ConsoleTokens | None = None,
     reports: Path = DEFAULT_REPORTS,
     https_only: bool = False,
+    throttle: SignInThrottle | None = None,
+    clock: Clock | None = None,
 ) -> Starlette:
-    """The console for the server at ``nats_url``; bound to ``settings.tenant`` when set."""
+    """The console for the server at ``nats_url``; bound to ``settings.tenant`` when set.
+
+    ``throttle`` and ``clock`` (the sessions' time, monotonic seconds) are for tests.
+    """
     tokens = tokens if tokens is not None else ConsoleTokens.from_settings(settings)
-    console = Console(settings, tokens, settings.tenant, reports)
+    sessions = Sessions(idle=settings.console_session_idle, clock=clock or time.monotonic)
+    console = Console(
+        settings, tokens, settings.tenant, reports, sessions, throttle or SignInThrottle()
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -91,7 +132,7 @@ def create_app(
             session_cookie="meshforge_console",
             same_site="strict",
             https_only=https_only,
-            max_age=12 * 3600,
+            max_age=int(SESSION_LIFETIME),
         )
     )
     routes = [

@@ -6,7 +6,6 @@ a tenant reads and acts on ``failed.cmd.<tenant>.>`` only: the subject is the au
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from starlette.datastructures import FormData
@@ -14,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from meshforge.console import params
 from meshforge.console.auth import User, audit
 from meshforge.console.status import scope_filter
 from meshforge.console.web import Console, action, console_of, flash, page, render, see_other
@@ -37,7 +37,7 @@ REASONS = ("malformed", "unrecoverable", "max_deliveries", "expired", "rejected"
 
 def dead_letter_filter(console: Console, subject: str | None) -> str | None:
     """The ``failed.`` pattern for an original-subject pattern, inside the console's tenant."""
-    subject = (subject or "").strip().removeprefix(DEAD_LETTER_PREFIX)
+    subject = params.text(subject, "subject", limit=255).removeprefix(DEAD_LETTER_PREFIX)
     scope = scope_filter(console.tenant)
     if not subject:
         return DEAD_LETTER_PREFIX + scope if scope else None
@@ -49,22 +49,6 @@ def dead_letter_filter(console: Console, subject: str | None) -> str | None:
             f"with cmd.{console.tenant}."
         )
     return pattern
-
-
-def _since(text: str | None) -> datetime | None:
-    """``since`` as minutes ago (``15``) or an ISO time; None when empty."""
-    text = (text or "").strip()
-    if not text:
-        return None
-    if text.isdigit():
-        return datetime.now(UTC) - timedelta(minutes=int(text))
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        raise MeshForgeError(
-            f"since: expected minutes ago (15) or a time (2026-11-27T10:00), got {text[:40]!r}"
-        ) from None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 async def _letter(console: Console, seq: int) -> DeadLetter:
@@ -80,16 +64,17 @@ async def _letter(console: Console, seq: int) -> DeadLetter:
 async def list_page(request: Request) -> Response:
     console = console_of(request)
     q = request.query_params
-    subject, reason = q.get("subject", ""), q.get("reason", "")
+    subject, reason = q.get("subject", ""), params.choice(q.get("reason"), "reason", REASONS)
     pattern = dead_letter_filter(console, subject)
-    start = int(q["start"]) if q.get("start", "").isdigit() else 1
+    start = params.number(q.get("start"), "start", default=1, low=1)
+    since = params.since(q.get("since"))
     letters = console.letters()
     found, next_seq = await letters.page(
         start=start,
         limit=PAGE_SIZE,
         subject_filter=pattern,
         reason=reason or None,
-        since=_since(q.get("since")),
+        since=since,
     )
     total = await letters.count(pattern)
     context = {
@@ -130,7 +115,7 @@ def _body(data: bytes) -> dict[str, Any]:
 @page
 async def letter_page(request: Request) -> Response:
     console = console_of(request)
-    seq = int(request.path_params["seq"])
+    seq = params.number(request.path_params["seq"], "id", low=1)
     letter = await _letter(console, seq)
     whole = request.query_params.get("original") == "1" and bool(letter.truncated)
     if whole:
@@ -153,7 +138,7 @@ async def letter_page(request: Request) -> Response:
 @action
 async def redrive_one(request: Request, user: User, form: FormData) -> Response:
     console = console_of(request)
-    seq = int(request.path_params["seq"])
+    seq = params.number(request.path_params["seq"], "id", low=1)
     await _letter(console, seq)
     result = await console.letters().redrive(seq)
     audit(user, f"re-drove dead letter {seq} -> {result.stream} seq={result.seq}")
@@ -164,7 +149,7 @@ async def redrive_one(request: Request, user: User, form: FormData) -> Response:
 @action
 async def redrive_selected(request: Request, user: User, form: FormData) -> Response:
     console = console_of(request)
-    seqs = [int(v) for v in form.getlist("seq") if isinstance(v, str) and v.isdigit()]
+    seqs = params.numbers([v for v in form.getlist("seq") if isinstance(v, str)], "seq")
     if not seqs:
         raise MeshForgeError("re-drive: no dead letter selected")
     for seq in seqs:
@@ -230,6 +215,6 @@ routes = [
     Route("/dead-letters/redrive", redrive_selected, methods=["POST"]),
     Route("/dead-letters/redrive-all", redrive_all, methods=["POST"]),
     Route("/dead-letters/purge", purge, methods=["POST"]),
-    Route("/dead-letters/{seq:int}", letter_page),
-    Route("/dead-letters/{seq:int}/redrive", redrive_one, methods=["POST"]),
+    Route("/dead-letters/{seq}", letter_page),
+    Route("/dead-letters/{seq}/redrive", redrive_one, methods=["POST"]),
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,10 @@ from meshforge.config import Settings
 from meshforge.console.auth import (
     CSRF_FIELD,
     ConsoleTokens,
+    Sessions,
+    SignInThrottle,
     User,
+    cross_site,
     csrf_ok,
     csrf_token,
     current_user,
@@ -39,12 +42,14 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 @dataclass(slots=True)
 class Console:
-    """The state of one console process: its settings, tokens, and NATS connection."""
+    """The state of one console process: settings, tokens, sessions, and NATS connection."""
 
     settings: Settings
     tokens: ConsoleTokens
     tenant: str | None
     reports: Path
+    sessions: Sessions
+    throttle: SignInThrottle = field(default_factory=SignInThrottle)
     conn: Connection | None = None
 
     @property
@@ -97,11 +102,16 @@ def _failed(request: Request, exc: MeshForgeError) -> Response:
     return render(request, "error.html", {"message": str(exc)}, status=400)
 
 
+def user_of(request: Request) -> User | None:
+    console = console_of(request)
+    return current_user(request, console.tokens, console.sessions)
+
+
 def page(handler: Handler) -> Handler:
     """A read-only page: any signed-in role; MeshForge errors become a one-line error page."""
 
     async def wrapped(request: Request) -> Response:
-        user = current_user(request, console_of(request).tokens)
+        user = user_of(request)
         if user is None:
             return _denied(request, 401, "sign in, or send Authorization: Bearer TOKEN")
         request.scope["meshforge.user"] = user
@@ -119,10 +129,12 @@ ActionHandler = Callable[[Request, User, FormData], Awaitable[Response]]
 
 
 def action(handler: ActionHandler) -> Handler:
-    """A POST that changes something: operator only, CSRF-checked, errors as one line."""
+    """A POST that changes something: same-site, operator only, CSRF-checked, errors as one line."""
 
     async def wrapped(request: Request) -> Response:
-        user = current_user(request, console_of(request).tokens)
+        if (why := cross_site(request)) is not None:
+            return _denied(request, 403, f"forbidden: a cross-site request ({why})")
+        user = user_of(request)
         if user is None:
             return _denied(request, 401, "sign in, or send Authorization: Bearer TOKEN")
         if not user.can_act:

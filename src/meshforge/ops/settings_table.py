@@ -74,6 +74,7 @@ MEANINGS: dict[str, str] = {
     "console_viewer_token_file": "a file holding it",
     "console_operator_token": "the web console's token for the `operator` role",
     "console_operator_token_file": "a file holding it",
+    "console_session_idle": "seconds a console sign-in lasts without a request (at most 12 hours in all)",
 }
 
 # Defaults said in words (the others are shown as the value, in backticks).
