@@ -11,6 +11,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -21,6 +22,80 @@ from meshforge.transport.server import EmbeddedServer
 
 # The packaged fixtures (meshforge_server, agent_harness, ...); the session server is theirs.
 pytest_plugins = ["meshforge.testing.plugin"]
+
+# How `make test` spreads the suite over its xdist workers (``--dist loadgroup``, with the
+# groups below): a file stays on one worker (its module fixtures are made once), but the
+# files of SPREAD send each test to whichever worker is free, and the tests of the
+# in-process SparkSession share one worker (one JVM, not one per worker). Groups start
+# longest first, so no worker starts a long one when the others are nearly done.
+SPREAD = (
+    "tests/chaos/",
+    "tests/docs/test_docs_examples.py",
+    "tests/integration/test_outages.py",
+    "tests/integration/test_handover_order.py",
+    "tests/integration/test_fleet_jobs.py",
+    "tests/integration/test_fleet_sites.py",
+    "tests/integration/test_partitions.py",
+    "tests/integration/test_partition_fencing.py",
+    "tests/integration/test_order_holds.py",
+    "tests/integration/test_permissions.py",
+    "tests/integration/test_fuzz_hostile.py",
+    "tests/integration/test_cluster.py",
+)
+#: A Spark test long enough to run beside the others on a worker of its own.
+OWN_SPARK = ("tests/spark/test_standalone.py",)
+LONGEST_FIRST = (
+    "tests/spark/test_standalone.py",
+    "spark",
+    "tests/chaos/test_order_checker",
+    "tests/integration/test_demo_agents.py",
+    "tests/chaos/",
+    "tests/integration/test_outages.py",
+    "tests/docs/",
+    "tests/integration/test_handover_order.py",
+    "tests/browser/",
+)
+
+
+def group_of(nodeid: str) -> str:
+    """The scheduling group of a test: its file, its own id (SPREAD), or ``spark``."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith("tests/spark/") and not path.startswith(OWN_SPARK):
+        return "spark"
+    return nodeid if path.startswith(SPREAD) else path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        group = group_of(item.nodeid)
+        return next(
+            (i for i, p in enumerate(LONGEST_FIRST) if group.startswith(p)), len(LONGEST_FIRST)
+        )
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: the groups of ``group_of``, in the order collected."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep LONGEST_FIRST, not the largest group first
+    return Groups(config, log)
+
+
+# The tests' JVMs (the SparkSession, spark-submit, a standalone master and worker) compile
+# with the JIT's first tier only: a test's Spark work is short, and the second tier's
+# compiling costs more CPU than it saves (a session's start and a few small jobs: 27 s of
+# CPU, 16 s so). Set before any JVM starts; child processes inherit it.
+TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+os.environ.setdefault("SPARK_SUBMIT_OPTS", TEST_JVM_OPTIONS)
+os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", TEST_JVM_OPTIONS)
 
 PG_ADMIN_URL = os.environ.get(
     "MESHFORGE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"

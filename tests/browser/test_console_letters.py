@@ -139,7 +139,14 @@ async def test_a_binary_body_shows_escaped_and_a_truncated_letter_links_its_whol
         conn.js,
         f"cmd.default.demo.{agent}.create",
         whole[:100],
-        headers={"Dlq-Truncated": "body", "Dlq-Original": copy},
+        # As the router writes it: the kept original is found from the letter's stream and
+        # sequence, and Dlq-Original must name that very copy.
+        headers={
+            "Dlq-Truncated": "body",
+            "Dlq-Original": copy,
+            "Dlq-Stream": STREAM_COMMANDS,
+            "Dlq-Stream-Seq": "77",
+        },
     )
     await sign_in(page, console.url, OPERATOR_TOKEN, "bob")
     await page.goto(f"{console.url}/dead-letters/{binary}")

@@ -49,7 +49,7 @@ WORKER_ENV = {
 
 
 def scale() -> int:
-    """CHAOS_SCALE (``make chaos`` sets 10) multiplies the kill counts."""
+    """CHAOS_SCALE (``make chaos`` sets 20) multiplies the kill counts."""
     return max(1, int(os.environ.get("CHAOS_SCALE", "1")))
 
 

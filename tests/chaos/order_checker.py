@@ -64,7 +64,7 @@ WORKER_ENV = {
 
 
 def scale() -> int:
-    """CHAOS_SCALE (``make chaos`` sets 10) multiplies the run's length."""
+    """CHAOS_SCALE (``make chaos`` sets 20) multiplies the run's length."""
     return max(1, int(os.environ.get("CHAOS_SCALE", "1")))
 
 

@@ -3,7 +3,7 @@ moments under load, again and again; checked from outside that every command had
 one effect, every output was published, and nothing was lost.
 
 ``make test`` runs 12 kills per crash point and 12 random-time kills; ``CHAOS_SCALE``
-(``make chaos`` sets 10) multiplies them.
+(``make chaos`` sets 20) multiplies them.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ their lease), stopped gracefully with work in flight and started again, so parti
 are taken over and handed back; judged per resource from the streams and the store
 (``order_oracle.py``). This file: SQLite; ``test_order_checker_pg.py``: PostgreSQL.
 
-``make test`` runs 50 s of workload per store; ``CHAOS_SCALE`` (``make chaos``: 10)
-multiplies it. ``ORDER_CHECKER_SEED`` replays a failing seed (printed with the violation).
+``make test`` runs 25 s of workload per store (about 16 faults); ``CHAOS_SCALE``
+(``make chaos``: 20) multiplies it. ``ORDER_CHECKER_SEED`` replays a failing seed (printed with the violation).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ async def test_each_resource_is_applied_in_stored_order_under_faults_on_sqlite(
     private_server: EmbeddedServer, tmp_path: Path
 ) -> None:
     store = f"sqlite:///{tmp_path / 'store.db'}?busy_timeout=30000"
-    await assert_order_holds(private_server.url, store, tmp_path, seconds=50.0)
+    await assert_order_holds(private_server.url, store, tmp_path, seconds=25.0)
 
 
 async def test_the_checker_passes_a_run_without_transient_failures_or_worker_faults(

@@ -18,10 +18,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 async def test_each_resource_is_applied_in_stored_order_under_faults_on_postgresql(
     private_server: EmbeddedServer, own_pg: str, tmp_path: Path
 ) -> None:
-    await assert_order_holds(private_server.url, own_pg, tmp_path, seconds=50.0)
+    await assert_order_holds(private_server.url, own_pg, tmp_path, seconds=25.0)
 
 
 async def test_exactly_once_holds_when_workers_share_one_durable(
     private_server: EmbeddedServer, own_pg: str, tmp_path: Path
 ) -> None:
-    await assert_order_holds(private_server.url, own_pg, tmp_path, seconds=20.0, partitions=0)
+    await assert_order_holds(private_server.url, own_pg, tmp_path, seconds=12.0, partitions=0)

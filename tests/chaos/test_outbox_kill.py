@@ -1,7 +1,7 @@
 """An outbox relay killed with SIGKILL mid-batch, again and again, loses nothing and stores
 nothing twice: every row reaches the stream, each msg id exactly once.
 
-CHAOS_SCALE (``make chaos``: 10) multiplies the number of kills.
+CHAOS_SCALE (``make chaos``: 20) multiplies the number of kills.
 """
 
 from __future__ import annotations

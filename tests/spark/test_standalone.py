@@ -142,7 +142,10 @@ def _submit(master: str, cwd: Path, *args: str) -> str:
     env.pop("PYSPARK_GATEWAY_PORT", None)
     done = subprocess.run(
         [str(BIN / "spark-submit"), "--master", master, "--conf", "spark.ui.enabled=false",
-         "--conf", "spark.executor.memory=512m", meshforge.cli.spark_job.__file__, *args],
+         "--conf", "spark.executor.memory=512m",
+         # the executors compile as the tests' other JVMs do (tests/conftest.py)
+         "--conf", f"spark.executor.extraJavaOptions={os.environ.get('SPARK_SUBMIT_OPTS', '')}",
+         meshforge.cli.spark_job.__file__, *args],
         env=env, capture_output=True, text=True, timeout=150, cwd=cwd,
     )  # fmt: skip
     said = done.stdout + done.stderr
