@@ -83,13 +83,22 @@ async def test_three_workers_one_killed_give_exactly_one_effect_per_command(
             info = await conn.js.consumer_info("MESHFORGE_COMMANDS", "order_consumer")
             return info.num_pending + info.num_ack_pending, info.num_ack_pending
 
+        def running(worker: AgentProcess) -> bool:
+            """Whether the worker's latest start got as far as consuming."""
+            return worker.log_path.read_text().count("running order, inventory") >= worker.starts
+
         async def kill_mid_work(worker: AgentProcess, sent: int) -> None:
-            """Kill ``worker`` once some of the ``sent`` commands are done and others in hand."""
+            """Kill ``worker`` once it consumes and some of the ``sent`` commands are done and
+            others in hand (a worker killed while still starting would kill nothing in flight)."""
 
             async def mid_work() -> bool:
                 remaining, in_hand = await left()
                 return 0 < remaining < sent and in_hand > 0
 
+            async def consuming() -> bool:
+                return running(worker)
+
+            await wait_until(consuming, within=60, what="the worker running")
             await wait_until(mid_work, within=60, what="some orders applied, others in flight")
             worker.kill()
             assert (await left())[0] > 0, "the work was all done before the kill"
@@ -109,10 +118,7 @@ async def test_three_workers_one_killed_give_exactly_one_effect_per_command(
         async def all_running() -> bool:
             # A restarted worker may still be starting when the work is done: a SIGTERM
             # before its signal handlers exist would end it with -15, not a graceful stop.
-            return all(
-                w.log_path.read_text().count("running order, inventory") >= w.starts
-                for w in workers
-            )
+            return all(running(w) for w in workers)
 
         await wait_until(all_running, within=30, what="every worker running")
         for w in workers:
