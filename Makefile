@@ -6,9 +6,10 @@ STAMP  := $(VENV)/.meshforge-installed
 # CHAOS_SCALE multiplies the kill counts of the crash suite and the order checker's workload
 # time (`make chaos` runs twenty times more: ~8 minutes of checker per store).
 CHAOS_SCALE ?= 1
-# `make test` runs the test files in this many processes (each session has its own
-# nats-server and PostgreSQL database); most tests wait on servers and subprocesses.
-TEST_JOBS ?= 2
+# `make test` runs the tests in this many processes (each session has its own nats-server
+# and PostgreSQL database); most tests wait on servers and subprocesses, so more processes
+# than cores keep both cores busy. tests/conftest.py says which tests go together.
+TEST_JOBS ?= 4
 
 .PHONY: setup browser demo test test-stalled lint unit integration chaos bench clean
 
