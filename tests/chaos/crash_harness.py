@@ -141,9 +141,11 @@ class Run:
     async def finish(self, within: float = 120.0) -> None:
         """A last worker with no crash point runs until everything is processed, then stops
         gracefully (it must exit 0)."""
-        # Port 0, read back from the worker's log: a port picked here could be taken first.
+        # Port 0, read back from the worker's log (its INFO line): a port picked here could be
+        # taken first.
         final = AgentProcess(AGENTS, self.store_url, self.server.url, self.work / "final.log",
-                             env=WORKER_ENV, extra_args=["--no-provision", "--metrics-port", "0"])  # fmt: skip
+                             env={**WORKER_ENV, "MESHFORGE_LOG_LEVEL": "INFO"},
+                             extra_args=["--no-provision", "--metrics-port", "0"])  # fmt: skip
         final.start()
         try:
             deadline = time.monotonic() + within
