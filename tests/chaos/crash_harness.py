@@ -13,8 +13,8 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -46,6 +46,10 @@ WORKER_ENV = {
     "MESHFORGE_MAX_DELIVER": "1000",
     "MESHFORGE_SHUTDOWN_TIMEOUT": "5s",
 }
+
+
+# What a worker logs once its metrics endpoint is bound: the port it took.
+_METRICS_ON = re.compile(r"metrics on (?:http://)?[^\s:]+:(\d+)")
 
 
 def scale() -> int:
@@ -137,13 +141,20 @@ class Run:
     async def finish(self, within: float = 120.0) -> None:
         """A last worker with no crash point runs until everything is processed, then stops
         gracefully (it must exit 0)."""
-        port = free_port()
+        # Port 0, read back from the worker's log (its INFO line): a port picked here could be
+        # taken first.
         final = AgentProcess(AGENTS, self.store_url, self.server.url, self.work / "final.log",
-                             env=WORKER_ENV, extra_args=["--no-provision", "--metrics-port", str(port)])  # fmt: skip
+                             env={**WORKER_ENV, "MESHFORGE_LOG_LEVEL": "INFO"},
+                             extra_args=["--no-provision", "--metrics-port", "0"])  # fmt: skip
         final.start()
         try:
             deadline = time.monotonic() + within
-            while not (await ready(port) and await self.idle()):
+            port = None
+            while not (
+                (port := port or bound_port(final.log_path))
+                and await ready(port)
+                and await self.idle()
+            ):
                 if time.monotonic() > deadline:
                     raise AssertionError("work not finished: " + final.log_path.read_text()[-3000:])
                 if final.returncode is not None:
@@ -201,10 +212,13 @@ class Run:
         return {"commands": len(self.creates), "kills": self.kills, "lives": self.lives}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def bound_port(log: Path) -> int | None:
+    """The port a worker started with ``--metrics-port 0`` logged it took, if it has yet."""
+    try:
+        found = _METRICS_ON.search(log.read_text(errors="replace"))
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None
 
 
 async def ready(port: int) -> bool:

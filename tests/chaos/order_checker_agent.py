@@ -63,9 +63,8 @@ class OrderCheckerAgent(Agent[Applied]):
         if tries <= int(p.get("fail", 0)) + int(p.get("retry", 0)):
             raise Retry(f"planned retry of n={p['n']}", delay=float(p.get("delay", 0.2)))
         if p.get("sleep"):
-            await asyncio.sleep(
-                float(p["sleep"])
-            )  # a slow handler: in_progress, hand-overs mid-flight
+            # A slow handler, not a wait: in_progress beats, hand-overs mid-flight.
+            await asyncio.sleep(float(p["sleep"]))
         return [Event("applied", {"n": int(p["n"]), "at": len(state.applied)})]
 
     def apply(self, state: Applied, event: Event) -> Applied:

@@ -1,4 +1,4 @@
-"""Helpers for the operations tests: free ports, HTTP probes, scraping, meshforge child processes."""
+"""Helpers for the operations tests: HTTP probes, scraping, meshforge child processes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,13 +19,6 @@ from meshforge.cli.demo_support import meshforge_command
 
 # What a worker, node or relay logs once its endpoint is bound: the port it took.
 _METRICS_ON = re.compile(r"metrics on (?:http://)?[^\s:]+:(\d+)")
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (the kernel's pick)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def http_get(url: str) -> tuple[int, bytes]:

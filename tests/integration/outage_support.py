@@ -141,7 +141,27 @@ class PrivatePostgres:
         self._as_postgres(
             "initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync"
         )
-        self.start()
+        # PostgreSQL takes no port 0 and restarts keep the port, so it is picked here; another
+        # process may bind it first, and the first start then tries another (twice at most).
+        for retries in (2, 1, 0):
+            logged = self._log_size()
+            try:
+                self.start()
+                return
+            except AssertionError:
+                if not retries or "Address already in use" not in self._log_since(logged):
+                    raise
+                self.port = free_port()
+
+    def _log_size(self) -> int:
+        log = self.root / "log"
+        return log.stat().st_size if log.exists() else 0
+
+    def _log_since(self, offset: int) -> str:
+        with contextlib.suppress(OSError), (self.root / "log").open("rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+        return ""
 
     @property
     def url(self) -> str:

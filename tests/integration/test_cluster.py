@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -297,3 +298,24 @@ async def test_consumer_replicas_follow_the_streams_or_the_setting(tmp_path: Pat
             ]
         finally:
             await conn.close()
+
+
+def _route_port(cluster: EmbeddedCluster, index: int) -> int:
+    args = cluster.nodes[index].extra_args
+    return int(args[args.index("--cluster") + 1].rsplit(":", 1)[1])
+
+
+def test_a_route_port_taken_before_its_node_binds_it_is_picked_again(tmp_path: Path) -> None:
+    cluster = EmbeddedCluster(3, data_dir=tmp_path / "cluster")
+    taken = _route_port(cluster, 1)
+    with socket.socket() as squatter:  # another process wins the race for node 2's route port
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        try:
+            cluster.start()
+            assert _route_port(cluster, 1) != taken
+            assert cluster.meta_leader() in cluster.names
+        finally:
+            cluster.close()
+    log = (tmp_path / "cluster" / "meshforge-2" / "nats-server.log").read_text()
+    assert "address already in use" in log, "the first start did not fail on the taken port"

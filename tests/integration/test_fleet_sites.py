@@ -18,11 +18,10 @@ from meshforge.config import load_settings
 from meshforge.control.fleet import list_nodes
 from meshforge.control.jobs import JobSpec, JobStore, attempt_id
 from meshforge.control.rollout import JobController, summarize
-from meshforge.control.sites import hub_server, link_site, site_server
+from meshforge.control.sites import hub_leaf_port, hub_server, link_site, site_server
 from meshforge.testing.link import LinkRelay
 from meshforge.topology.permissions import leaf_block, leaf_user, password_variable
 from meshforge.topology.subjects import STREAM_CONTROL, control_command_subject
-from meshforge.transport.cluster import free_port
 from meshforge.transport.connection import Connection, connect
 from meshforge.transport.server import EmbeddedServer
 from polling import wait_until
@@ -34,8 +33,8 @@ SITES = {"plantA": ["n0", "n1", "n2"], "plantB": ["n0", "n1"]}
 
 class Hub:
     def __init__(self, tmp: Path) -> None:
-        self.leaf_port = free_port()
-        self.server = hub_server(tmp / "hub", leaf_port=self.leaf_port)
+        self.leaf_port = 0  # the hub binds a free one: read back once it runs
+        self.server = hub_server(tmp / "hub", leaf_port=0)
         self.sites: dict[str, EmbeddedServer] = {}
         self.links: dict[str, LinkRelay] = {}
         self.tmp = tmp
@@ -62,6 +61,7 @@ async def hub(tmp_path: Path) -> AsyncIterator[Hub]:
     h = Hub(tmp_path)
     await asyncio.to_thread(h.server.start)
     try:
+        h.leaf_port = await asyncio.to_thread(hub_leaf_port, h.server)
         yield h
     finally:
         for link in h.links.values():
@@ -168,14 +168,17 @@ async def test_a_cut_site_runs_what_it_holds_and_catches_up_when_the_link_return
 
 
 async def test_server_cli_runs_a_hub_and_a_site_that_links_itself(tmp_path: Path) -> None:
-    leaf_port = free_port()
     hub_env = {"MESHFORGE_HOME": str(tmp_path / "hub")}
     site_env = {"MESHFORGE_HOME": str(tmp_path / "site")}
-    async with child("server", "--leaf-port", str(leaf_port), env=hub_env) as hub_proc:
+    async with child("server", "--leaf-port", "0", env=hub_env) as hub_proc:
         assert hub_proc.stdout is not None
         hub_line = (await asyncio.wait_for(hub_proc.stdout.readline(), 30)).decode()
         hub_url = hub_line.split(" on ", 1)[1].split()[0]
-        site_args = ("server", "--leaf", f"nats-leaf://127.0.0.1:{leaf_port}", "--domain", "plant9")
+        # The leaf port the hub picked, as it prints it for the sites.
+        join_line = (await asyncio.wait_for(hub_proc.stdout.readline(), 30)).decode()
+        leaf_url = join_line.split("sites join at ", 1)[1].split()[0]
+        assert leaf_url.startswith("nats-leaf://127.0.0.1:") and not leaf_url.endswith(":0")
+        site_args = ("server", "--leaf", leaf_url, "--domain", "plant9")
         async with child(*site_args, env=site_env) as site_proc:
             assert site_proc.stdout is not None
             seen = ""
@@ -207,18 +210,21 @@ async def test_a_hub_with_leaf_logins_links_only_the_site_that_knows_its_passwor
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(password_variable(leaf_user("plantX")), "leaf-pw-9Z")  # read by the hub
-    leaf_port = free_port()
-    hub = hub_server(tmp_path / "hub", leaf_port=leaf_port, leaf_users=leaf_block(["plantX"]))
-    url = f"nats-leaf://127.0.0.1:{leaf_port}"
-    good = site_server(
-        "plantX", url, store_dir=tmp_path / "good", user=leaf_user("plantX"), password="leaf-pw-9Z"
-    )
-    bad = site_server(
-        "plantY", url, store_dir=tmp_path / "bad", user=leaf_user("plantX"), password="wrong"
-    )
-    servers = [hub, good, bad]
+    hub = hub_server(tmp_path / "hub", leaf_port=0, leaf_users=leaf_block(["plantX"]))
+    servers = [hub]
     try:
-        for server in servers:
+        await asyncio.to_thread(hub.start)
+        # The sites' configs name the port the hub bound.
+        url = f"nats-leaf://127.0.0.1:{await asyncio.to_thread(hub_leaf_port, hub)}"
+        good = site_server(
+            "plantX", url, store_dir=tmp_path / "good", user=leaf_user("plantX"),
+            password="leaf-pw-9Z",
+        )  # fmt: skip
+        bad = site_server(
+            "plantY", url, store_dir=tmp_path / "bad", user=leaf_user("plantX"), password="wrong"
+        )
+        for server in (good, bad):
+            servers.append(server)
             await asyncio.to_thread(server.start)
         config = (tmp_path / "good" / "meshforge-site.conf").read_text()
         assert (

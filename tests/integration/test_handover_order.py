@@ -237,9 +237,8 @@ async def test_in_progress_after_the_new_owner_counted(
             await wait_until(
                 lambda: r.logged(new, counted), timeout=30, what=f"the new owner counting {slot}"
             )
-            await asyncio.sleep(
-                1.0
-            )  # the fault's length: its beats then go out after the take-over
+            # The fault's length, not a wait for an event: its beats go out after the take-over.
+            await asyncio.sleep(1.0)
         finally:
             os.kill(old.pid, signal.SIGCONT)  # its keep-alive beats go out now
         await r.send(names, range(6, 10))

@@ -131,6 +131,8 @@ async def test_no_stream_fails_after_a_few_quick_attempts(streams: JetStreamCont
     assert "meshforge provision" in str(info.value)
     assert count(metrics.publish_retries, kind="no_stream") == NO_STREAM_ATTEMPTS - 1
     assert count(metrics.publish_failures, kind="no_stream") == 1
+    # Quick is the feature: two backoffs of at most 0.1 and 0.2 s (over 5x that here), not a
+    # 5 s publish timeout per attempt.
     assert elapsed < 2.0
 
 
@@ -182,12 +184,12 @@ async def test_permission_denied_is_not_retried(tmp_path: Path) -> None:
         async with await connect(s, url=server.url) as conn:
             metrics = Metrics()
             pub = Publisher(conn.js, s, metrics)
-            started = time.monotonic()
             with pytest.raises(PublishError) as info:
                 await pub.publish("cmd.default.demo.order.create", Envelope.new("order.create", {}))
             assert info.value.kind == "permission_denied"
             assert "cmd.default.demo.order.create" in str(info.value)
-            assert time.monotonic() - started < 2.0  # one attempt, not five
+            # One attempt, not five: counted, not timed (five quick refusals fit in 2 s too).
+            assert count(metrics.publish_retries, kind="permission_denied") == 0
             outcomes = await pub.publish_each([Outbound("cmd.default.demo.x.y", b"{}", {}, "p-1")])
             assert isinstance(outcomes[0], PublishError)
             assert outcomes[0].kind == "permission_denied"

@@ -75,9 +75,13 @@ async def stored(conn: Connection, stream: str, subject: str) -> list[Any]:
         seq = (raw.seq or seq) + 1
 
 
+def _pythonpath() -> str:
+    return f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests' / 'integration'}"
+
+
 def start(*args: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHFORGE_")}
-    env["PYTHONPATH"] = f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests' / 'integration'}"
+    env["PYTHONPATH"] = _pythonpath()
     return subprocess.Popen([sys.executable, "-m", "meshforge", *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
 
@@ -90,7 +94,7 @@ def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
 
 async def test_requests_write_orders_and_commands_together_and_the_relay_sends_them_once(
     web: str, meshforge_connection: Connection, meshforge_settings: Settings,
-    meshforge_store_url: str,
+    meshforge_store_url: str, tmp_path: Path,
 ) -> None:  # fmt: skip
     for n in range(5):
         status, body = post(f"{web}/orders", {"order_id": f"o-{n}", "sku": "A-1", "qty": n + 1})
@@ -105,10 +109,14 @@ async def test_requests_write_orders_and_commands_together_and_the_relay_sends_t
     assert note.payload == {"text": "hello"} and note.type == "notes.noted"
     assert await stored(meshforge_connection, STREAM_COMMANDS, wsgi_outbox.RESERVE) == []
 
-    port = ops_support.free_port()
-    relay = start("relay", "--store", meshforge_store_url, "--nats-url", meshforge_settings.nats_url or "",
-                  "--idle", "0.1", "--metrics-port", str(port))  # fmt: skip
+    # Port 0 and the port read from the relay's log: one picked here could be taken first.
+    relay = ops_support.Child(
+        ["relay", "--store", meshforge_store_url, "--nats-url", meshforge_settings.nats_url or "",
+         "--idle", "0.1", "--metrics-port", "0"],
+        tmp_path / "relay.log", env={"PYTHONPATH": _pythonpath()},
+    )  # fmt: skip
     try:
+        port = await relay.metrics_port()
 
         async def five() -> bool:
             return (
@@ -133,7 +141,8 @@ async def test_requests_write_orders_and_commands_together_and_the_relay_sends_t
 
         await wait_until(six, timeout=20, what="the sixth command")
     finally:
-        code, err = stop(relay)
+        code = relay.stop(30)
+    err = relay.output()
     assert code == 0, err
     assert "6 message(s) sent" in err
     commands = await stored(meshforge_connection, STREAM_COMMANDS, wsgi_outbox.RESERVE)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -39,10 +39,9 @@ EVENTS = 200
 DEAD_LETTERS = 5
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+# What the master logs once bound (it is given port 0: a port picked here could be taken).
+_MASTER_AT = re.compile(r"Starting Spark master at (spark://\S+)")
+_MASTER_UI_AT = re.compile(r"Bound MasterWebUI to .*? and started at (http://\S+)")
 
 
 @dataclass
@@ -81,8 +80,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def standalone(tmp_path: Path) -> Iterator[Standalone]:
     env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_LOG_DIR": str(tmp_path / "logs"),
            "SPARK_WORKER_DIR": str(tmp_path / "work"), "PYSPARK_PYTHON": sys.executable}  # fmt: skip
-    port, ui, worker_ui = _free_port(), _free_port(), _free_port()
-    url = f"spark://127.0.0.1:{port}"
     procs: list[subprocess.Popen[bytes]] = []
 
     def launch(name: str, *args: str) -> None:
@@ -91,12 +88,24 @@ def standalone(tmp_path: Path) -> Iterator[Standalone]:
                                       stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
         log.close()
 
-    cluster = Standalone(url, f"http://127.0.0.1:{ui}", tmp_path / "work")
     try:
         launch("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-               "--port", str(port), "--webui-port", str(ui))  # fmt: skip
-        launch("worker", "org.apache.spark.deploy.worker.Worker", url, "--host", "127.0.0.1",
-               "--cores", "1", "--memory", "1g", "--webui-port", str(worker_ui),
+               "--port", "0", "--webui-port", "0")  # fmt: skip
+        bound: list[str] = []
+
+        def master_bound() -> bool:
+            if procs[0].poll() is not None:
+                log = (tmp_path / "master.log").read_text()[-2000:]
+                raise AssertionError(f"the Spark master exited: {log}")
+            said = (tmp_path / "master.log").read_text(errors="replace")
+            found = [m.group(1) for m in (_MASTER_AT.search(said), _MASTER_UI_AT.search(said)) if m]
+            bound[:] = found
+            return len(found) == 2
+
+        wait_until_sync(master_bound, 60, "the Spark master's URL and web UI in its log")
+        cluster = Standalone(bound[0], bound[1].rstrip("/"), tmp_path / "work")
+        launch("worker", "org.apache.spark.deploy.worker.Worker", cluster.url, "--host", "127.0.0.1",
+               "--cores", "1", "--memory", "1g", "--webui-port", "0",
                "--work-dir", str(cluster.work_dir))  # fmt: skip
 
         def worker_alive() -> bool:

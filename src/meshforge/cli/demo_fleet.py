@@ -25,13 +25,12 @@ from meshforge.control.fleet import list_nodes
 from meshforge.control.jobs import JobSpec, JobStore
 from meshforge.control.rollout import JobController, summarize
 from meshforge.control.runtime import NodeRuntime
-from meshforge.control.sites import hub_server, link_site, site_server
+from meshforge.control.sites import hub_leaf_port, hub_server, link_site, site_server
 from meshforge.demo.node import DemoNode
 from meshforge.ops.observability import Metrics
 from meshforge.store import open_store
 from meshforge.testing.link import LinkRelay
 from meshforge.topology.subjects import STREAM_CONTROL
-from meshforge.transport.cluster import free_port
 from meshforge.transport.connection import Connection, connect
 from meshforge.transport.server import EmbeddedServer
 
@@ -63,8 +62,8 @@ class _Fleet:
         self.per_site = per_site
         self.settings: Settings = load_settings()
         self.metrics = Metrics()
-        self.leaf_port = free_port()
-        self.hub = hub_server(work / "hub", leaf_port=self.leaf_port)
+        self.leaf_port = 0  # the hub binds a free one; read back once it runs
+        self.hub = hub_server(work / "hub", leaf_port=0)
         self.links: dict[str, LinkRelay] = {}
         self.servers: dict[str, EmbeddedServer] = {}
         self.conns: list[Connection] = []
@@ -75,6 +74,7 @@ class _Fleet:
     async def up(self, console: Console) -> AsyncIterator[Connection]:
         try:
             await asyncio.to_thread(self.hub.start)
+            self.leaf_port = await asyncio.to_thread(hub_leaf_port, self.hub)
             console.print(f"hub (domain hub) at {self.hub.url}")
             for site in SITES:
                 await self._site(site, console)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from meshforge.publish.outbox import OutboxRelay
     from meshforge.store.base import Store
     from meshforge.transport.connection import Connection
+
+log = logging.getLogger("meshforge.relay")
 
 
 def register(app: typer.Typer) -> None:
@@ -137,6 +140,7 @@ async def _relay_until_signal(
             settings.metrics_host, settings.metrics_port, metrics, health,
             lambda: bool(conns) and conns[0].current_state() == "connected",
         )  # fmt: skip
+        log.info("metrics on %s:%d", endpoint.host, endpoint.port)
     try:
         sent = await run_relay(
             store,

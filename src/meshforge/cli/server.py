@@ -62,7 +62,10 @@ def server(
     ] = None,
     leaf_port: Annotated[
         int | None,
-        typer.Option("--leaf-port", help="Run a hub: accept sites' leaf connections on this port."),
+        typer.Option(
+            "--leaf-port",
+            help="Run a hub: accept sites' leaf connections on this port (0: a free one, printed).",
+        ),
     ] = None,
     hub_domain: Annotated[
         str, typer.Option("--hub-domain", help="The hub's JetStream domain (a site sources it).")
@@ -95,8 +98,11 @@ def server(
     with embedded_server(HOME, port=port, make=make) as srv:
         typer.echo(f"nats-server listening on {srv.url} (data in {srv.store_dir})")
         if leaf_port is not None:
+            from meshforge.control.sites import hub_leaf_port
+
+            bound = leaf_port or hub_leaf_port(srv)  # 0: the port the hub picked
             typer.echo(
-                f"hub (JetStream domain {domain or hub_domain}): sites join at nats-leaf://{leaf_host}:{leaf_port}"
+                f"hub (JetStream domain {domain or hub_domain}): sites join at nats-leaf://{leaf_host}:{bound}"
             )
         if leaf is not None and domain is not None:
             _link_in_background(srv.url, domain, hub_domain)

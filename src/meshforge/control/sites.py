@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -31,6 +32,7 @@ from nats.js.api import ExternalStream, KeyValueConfig, StorageType, StreamSourc
 from meshforge.config import Settings, load_settings
 from meshforge.control.jobs import JOBS_BUCKET
 from meshforge.control.presence import NODES_BUCKET, nodes_bucket
+from meshforge.errors import ServerError
 from meshforge.topology.provision import ensure
 from meshforge.topology.specs import default_streams
 from meshforge.topology.subjects import STREAM_CONTROL, STREAM_REPLIES, validate_token
@@ -40,6 +42,7 @@ from meshforge.transport.server import EmbeddedServer
 __all__ = [
     "HUB_DOMAIN",
     "LINK_DENY",
+    "hub_leaf_port",
     "hub_server",
     "link_site",
     "server_config",
@@ -102,11 +105,23 @@ def hub_server(
     leaf_users: str = "",
 ) -> EmbeddedServer:
     """The hub: JetStream domain ``domain``, leaf connections accepted on ``leaf_host:leaf_port``
-    (from the users of ``leaf_users`` only, when given)."""
-    text = server_config(
-        domain=domain, leaf_listen=f"{leaf_host}:{leaf_port}", leaf_users=leaf_users
-    )
+    (from the users of ``leaf_users`` only, when given). ``leaf_port=0``: a free port the
+    server picks itself (again at each start); ``hub_leaf_port`` tells it once the hub runs."""
+    # nats-server's "any free port" is -1 (0 would turn the leafnode listener off).
+    listen = f"{leaf_host}:{leaf_port if leaf_port else -1}"
+    text = server_config(domain=domain, leaf_listen=listen, leaf_users=leaf_users)
     return _configured(Path(store_dir), text, port=port)
+
+
+def hub_leaf_port(hub: EmbeddedServer, timeout: float = 5.0) -> int:
+    """The leafnode port a running hub listens on, from its monitoring endpoint (``/varz``)."""
+    url = f"http://{hub.host}:{hub.monitor_port}/varz"
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        leaf = json.loads(resp.read()).get("leaf") or {}
+    port = leaf.get("port")
+    if not port:
+        raise ServerError(f"{hub.url} accepts no leaf connections (no leaf port in {url})")
+    return int(port)
 
 
 def site_server(

@@ -38,6 +38,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+_START_RETRIES = 2  # new route ports after a bind failure, on a first start
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _route_port_taken(log_file: Path, since: int) -> bool:
+    """Whether the server logged, after byte ``since``, that its route port was in use."""
+    try:
+        with log_file.open("rb") as log:
+            log.seek(since)
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return False
+    return any("router" in line and "address already in use" in line for line in text.splitlines())
+
+
 class EmbeddedCluster(Managed):
     """``size`` JetStream nats-servers in one cluster, routed on ``host``.
 
@@ -62,22 +83,27 @@ class EmbeddedCluster(Managed):
         self.host = host
         self.data_dir = Path(data_dir)
         self.start_timeout = start_timeout
-        route_ports = [free_port(host) for _ in range(size)]
-        routes = ",".join(f"nats://{host}:{p}" for p in route_ports)
-        self.nodes: list[EmbeddedServer] = []
-        for index, route_port in enumerate(route_ports, start=1):
-            node_name = f"{name}-{index}"
-            args = ["--server_name", node_name, "--cluster_name", name]
-            # every node gets every route; a node skips the one to itself
-            args += ["--cluster", f"nats://{host}:{route_port}", "--routes", routes]
-            node = EmbeddedServer(
-                store_dir=self.data_dir / node_name,
+        self._started = False
+        self.nodes: list[EmbeddedServer] = [
+            EmbeddedServer(
+                store_dir=self.data_dir / f"{name}-{index}",
                 host=host,
                 port=None if port is None else port + index - 1,
                 start_timeout=start_timeout,
-                extra_args=args,
             )
-            self.nodes.append(node)
+            for index in range(1, size + 1)
+        ]
+        self._pick_route_ports()
+
+    def _pick_route_ports(self) -> None:
+        """Give every node a route port and every route (a node skips the one to itself)."""
+        route_ports = [free_port(self.host) for _ in self.nodes]
+        routes = ",".join(f"nats://{self.host}:{p}" for p in route_ports)
+        for node, node_name, route_port in zip(self.nodes, self.names, route_ports, strict=True):
+            node.extra_args = [
+                "--server_name", node_name, "--cluster_name", self.name,
+                "--cluster", f"nats://{self.host}:{route_port}", "--routes", routes,
+            ]  # fmt: skip
 
     @property
     def names(self) -> list[str]:
@@ -105,14 +131,28 @@ class EmbeddedCluster(Managed):
 
     def start(self) -> Self:
         """Start every node that is not running and wait for a JetStream meta leader."""
-        try:
-            for node in self.nodes:
-                node.start()
-            self.wait_for_meta_leader()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        # Each node's arguments name every route's port, so they cannot be 0: a port picked
+        # here can be taken before its node binds it, and a first start retries with new ones.
+        retries = 0 if self._started else _START_RETRIES
+        while True:
+            logged = [_size(node.log_file) for node in self.nodes]
+            try:
+                for node in self.nodes:
+                    node.start()
+                self.wait_for_meta_leader()
+            except BaseException as exc:
+                self.stop()
+                taken = isinstance(exc, ServerError) and any(
+                    _route_port_taken(node.log_file, since)
+                    for node, since in zip(self.nodes, logged, strict=True)
+                )
+                if not taken or retries == 0:
+                    raise
+                retries -= 1
+                self._pick_route_ports()
+                continue
+            self._started = True
+            return self
 
     def _jsz(self, node: EmbeddedServer) -> dict[str, Any]:
         url = f"http://{self.host}:{node.monitor_port}/jsz"

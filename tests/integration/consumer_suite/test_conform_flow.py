@@ -134,8 +134,10 @@ async def test_an_idle_consumer_picks_up_a_new_message_quickly(
         await asyncio.sleep(2.5)  # let the consumer go idle (a pull loop's backoff at its cap)
         sent = time.monotonic()
         await publish_envelopes(js, c.subject, 1)
-        await wait_until(lambda: len(got) == 1, timeout=5)
-    assert got[0] - sent < 1.5
+        await wait_until(lambda: len(got) == 1, timeout=10)
+    # Quick is the feature: an idle pull loop waits at most 1 s between fetches
+    # (OPERATIONS.md), 5x that for a loaded machine.
+    assert got[0] - sent < 5 * 1.0
 
 
 @each_variant()
@@ -189,11 +191,13 @@ async def test_stop_naks_what_cannot_finish_so_it_comes_back_promptly(
         t0 = time.monotonic()
         await first.stop(timeout=0.2)
         await asyncio.wait_for(task, 5)
-        assert time.monotonic() - t0 < 3
+        # Not waiting for the 60 s handlers is the feature: 0.2 s, then up to two 1 s
+        # heartbeats as the source closes, 5x that for a loaded machine.
+        assert time.monotonic() - t0 < 5 * (0.2 + 2 * 1.0)
         later = variant.consumer(cb, c, quick)
         async with running(later):
             # Well inside the 30 s ack wait: they were nak'ed, not abandoned.
-            await wait_until(lambda: len(second) == 2, timeout=5)
+            await wait_until(lambda: len(second) == 2, timeout=10)
     assert second == [2, 2]
     assert await ack_pending(js, c.durable) == 0
 
