@@ -1,5 +1,8 @@
 """Jobs against a real server: rollout at a rate, retries, abort, cancel, expiry, and a
-controller SIGKILLed mid-rollout. Nodes run in-process; "ran once" is the run log's word."""
+controller SIGKILLed mid-rollout; and CONTROL_PLANE.md's promises: a cancel lets a command
+already running finish, a late reply to an older attempt is ignored, and a node that took a
+TTL'd command in time still runs it and answers. Nodes run in-process; "ran once" is the
+run log's word."""
 
 from __future__ import annotations
 
@@ -14,16 +17,23 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from control_support import runs, stored_count
+from control_support import reply_count, runs, stored_count
 from fleet_support import Fleet, child, meshforge
 
 from meshforge.config import load_settings
 from meshforge.control.jobs import JobSpec, JobStore, attempt_id
+from meshforge.control.reply import reply_envelope
 from meshforge.control.rollout import JobController, summarize
+from meshforge.envelope import Envelope
 from meshforge.ops.observability import Metrics
+from meshforge.publish.publisher import Publisher
 from meshforge.topology.provision import ensure
 from meshforge.topology.specs import default_streams
-from meshforge.topology.subjects import STREAM_CONTROL, control_command_subject
+from meshforge.topology.subjects import (
+    STREAM_CONTROL,
+    control_command_subject,
+    control_reply_subject,
+)
 from meshforge.transport.connection import Connection, connect
 from polling import wait_until
 
@@ -127,8 +137,9 @@ async def test_canceled_job_runs_nothing_more(
     names = [f"n{i}" for i in range(4)]
     store = await JobStore.open(conn.js)
     job = _job()
-    # 60/min: the first command is sent at once (its node is down), the others wait their turn.
-    await store.create(JobSpec(job, "echo", {}, targets=[(site, n) for n in names], rate=60))
+    # 1/min: the first command is sent at once (its node is down), the others wait their turn
+    # (at 60/min a cancel slower than a second, as a loaded machine makes it, let n1 go too).
+    await store.create(JobSpec(job, "echo", {}, targets=[(site, n) for n in names], rate=1))
     controller = asyncio.create_task(JobController(conn, store, job).run())
 
     async def first_sent() -> bool:
@@ -270,3 +281,68 @@ async def test_job_cli_exit_codes_and_nodes_file(
     assert usage.returncode == 2 and "expected a JSON object" in usage.stderr
     missing = await meshforge("ctl", "job", "status", "no-such-job", *base)
     assert missing.returncode == 1 and missing.stderr.startswith("error: no job no-such-job")
+
+
+# CONTROL_PLANE.md's promises on jobs
+async def test_a_command_a_node_is_running_when_its_job_is_canceled_finishes(
+    conn: Connection, fleet: Fleet, site: str, run_log: Path
+) -> None:
+    await fleet.start(site, "n0")
+    store = await JobStore.open(conn.js)
+    job = _job()
+    await store.create(JobSpec(job, "sleep", {"seconds": 3}, targets=[(site, "n0")]))
+    controller = asyncio.create_task(JobController(conn, store, job).run())
+    await wait_until(lambda: bool(runs(run_log)), 20, "the node to start the command")
+    await store.cancel(job)
+    # canceled while the command ran: no reply yet
+    assert (await store.nodes(job))[f"{site}.n0"].state == "IN_PROGRESS"
+    assert await asyncio.wait_for(controller, 30) == "canceled"
+    record = (await store.nodes(job))[f"{site}.n0"]
+    assert (record.state, record.by_reply, record.error) == ("SUCCEEDED", True, None)
+    assert [r[0] for r in runs(run_log)] == [attempt_id(job, site, "n0", 1)]
+
+
+async def test_a_late_reply_to_an_older_attempt_is_ignored(conn: Connection, site: str) -> None:
+    store = await JobStore.open(conn.js)
+    job = _job()
+    # Nobody answers: attempt 1 times out and attempt 2 is sent, which times out too.
+    await store.create(JobSpec(job, "echo", {}, targets=[(site, "late")], timeout=2.0, retries=1))
+    controller = asyncio.create_task(JobController(conn, store, job).run())
+
+    async def second_sent() -> bool:
+        record = (await store.nodes(job))[f"{site}.late"]
+        return (record.state, record.attempt) == ("IN_PROGRESS", 2)
+
+    await wait_until(second_sent, 20, "the second attempt to be sent")
+    first = Envelope.new("echo", {}).with_(id=attempt_id(job, site, "late", 1))
+    late = reply_envelope(
+        first, site=site, node="late", status="ok", result={"late": True}, error=None,
+        node_epoch=1,
+    )  # fmt: skip
+    await Publisher(conn.js).publish(control_reply_subject(site, "late"), late)
+    assert await asyncio.wait_for(controller, 30) == "completed"
+    record = (await store.nodes(job))[f"{site}.late"]
+    assert (record.state, record.attempt, record.result) == ("TIMED_OUT", 2, None)
+
+
+async def test_a_node_that_took_a_ttld_command_in_time_still_runs_it_and_answers(
+    conn: Connection, fleet: Fleet, site: str, run_log: Path
+) -> None:
+    await fleet.start(site, "n0")
+    store = await JobStore.open(conn.js)
+    job = _job()
+    deadline = (datetime.now(UTC) + timedelta(seconds=2)).isoformat()
+    # The node takes the letter at once and answers after the deadline.
+    await store.create(
+        JobSpec(job, "sleep", {"seconds": 4}, targets=[(site, "n0")], deadline=deadline)
+    )
+    controller = asyncio.create_task(JobController(conn, store, job).run())
+    await wait_until(lambda: bool(runs(run_log)), 20, "the node to take the command")
+    assert await asyncio.wait_for(controller, 30) == "completed"
+    assert (await store.nodes(job))[f"{site}.n0"].state == "EXPIRED"  # the job ended first
+
+    async def answered() -> bool:
+        return await reply_count(conn.js, control_reply_subject(site, "n0")) == 1
+
+    await wait_until(answered, 20, "the node's answer after the deadline")
+    assert [r[0] for r in runs(run_log)] == [attempt_id(job, site, "n0", 1)]
