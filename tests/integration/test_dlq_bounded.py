@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from nats.aio.msg import Msg
+from dlq_support import take
 from nats.js import JetStreamContext
 from typer.testing import CliRunner
 
@@ -42,19 +42,6 @@ async def agent(js: JetStreamContext) -> AsyncIterator[str]:
     await js.purge_stream(STREAM_COMMANDS, subject=f"cmd.default.demo.{name}.>")
     await js.purge_stream(STREAM_FAILED, subject=f"failed.cmd.default.demo.{name}.>")
     await js.purge_stream(STREAM_FAILED, subject=f"failed.original.{STREAM_COMMANDS}.>")
-
-
-async def take(js: JetStreamContext, subject: str) -> Msg:
-    """The next message on ``subject``, acked (a work queue then deletes it)."""
-    durable = f"t{uuid.uuid4().hex[:8]}"
-    sub = await js.pull_subscribe(subject, durable=durable, stream=STREAM_COMMANDS)
-    try:
-        [msg] = await sub.fetch(1, timeout=5)
-        await msg.ack_sync()
-    finally:
-        await sub.unsubscribe()
-        await js.delete_consumer(STREAM_COMMANDS, durable)
-    return msg
 
 
 async def test_an_ordinary_publish_that_cannot_fit_is_refused_before_it_is_sent(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from nats.aio.msg import Msg
+from dlq_support import take
 from nats.js import JetStreamContext
 from typer.testing import CliRunner
 
@@ -60,19 +60,6 @@ async def rig(private_server: EmbeddedServer) -> AsyncIterator[Rig]:
     await ensure(conn.js, default_streams(settings), [])
     yield Rig(private_server.url, settings, conn, Publisher(conn.js, settings, Metrics()))
     await conn.close()
-
-
-async def take(js: JetStreamContext, subject: str) -> Msg:
-    """The next command on ``subject``, acked (as an agent that dead-letters it would)."""
-    durable = f"t{uuid.uuid4().hex[:8]}"
-    sub = await js.pull_subscribe(subject, durable=durable, stream=STREAM_COMMANDS)
-    try:
-        [msg] = await sub.fetch(1, timeout=5)
-        await msg.ack_sync()
-    finally:
-        await sub.unsubscribe()
-        await js.delete_consumer(STREAM_COMMANDS, durable)
-    return msg
 
 
 async def dead_lettered(

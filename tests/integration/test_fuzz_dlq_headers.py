@@ -16,10 +16,9 @@ from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
 import pytest
+from dlq_support import take
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 from typer.testing import CliRunner
 
 from meshforge.cli import app
@@ -96,18 +95,6 @@ async def raw_publish(
         await writer.wait_closed()
 
 
-async def take(js: JetStreamContext) -> Msg:
-    durable = f"f{uuid.uuid4().hex[:8]}"
-    sub = await js.pull_subscribe(SUBJECT, durable=durable, stream=STREAM_COMMANDS)
-    try:
-        [msg] = await sub.fetch(1, timeout=5)
-        await msg.ack_sync()
-    finally:
-        await sub.unsubscribe()
-        await js.delete_consumer(STREAM_COMMANDS, durable)
-    return msg
-
-
 def escaped(text: str) -> bool:
     """No character that drives a terminal: every one printable, or a line break or tab."""
     return all(c.isprintable() or c in "\n\t" for c in text)
@@ -166,7 +153,7 @@ async def test_any_header_and_body_pass_the_router_and_every_reader(
     room = pub.limits().max_payload - len(header_block(headers)) - 64
     body = body[: max(0, room)]
     await raw_publish(url, SUBJECT, headers, body)
-    msg = await take(conn.js)
+    msg = await take(conn.js, SUBJECT)
     assert escaped(render(msg, as_json=True)) and escaped(render(msg, as_json=False))
 
     result = await dead_letter(pub, msg, reason="malformed", error="fuzz", consumer="fuzz")
@@ -196,7 +183,7 @@ async def test_any_header_and_body_pass_the_router_and_every_reader(
         assert escaped(html.replace("\r", ""))
 
     await letters.redrive(result.seq)
-    await take(conn.js)  # the re-driven command, acked: the next example starts empty
+    await take(conn.js, SUBJECT)  # the re-driven command, acked: the next example starts empty
     assert await letters.count() == 0
     info = await conn.js.stream_info(STREAM_FAILED)
     assert info.state.messages == 0, "a re-drive left a kept original behind"
