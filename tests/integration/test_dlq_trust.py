@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
+from console_client import Browser
 from dlq_support import take
 from nats.js import JetStreamContext
 from typer.testing import CliRunner
@@ -263,26 +263,12 @@ class ConsoleClient:
 
     async def call(self, method: str, target: str, token: str) -> tuple[int, str]:
         path, _, query = target.partition("?")
-        scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-            "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
-            "query_string": query.encode(), "root_path": "",
-            "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 50000),
-            "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {token}".encode()),
-                        (b"content-type", b"application/x-www-form-urlencoded")],
-        }  # fmt: skip
-        sent: list[MutableMapping[str, Any]] = []
-
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        async def send(message: MutableMapping[str, Any]) -> None:
-            sent.append(message)
-
-        await self.app(scope, receive, send)
-        status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-        return status, body.decode()
+        headers = {"authorization": f"Bearer {token}"}
+        if method == "POST":
+            headers["content-type"] = "application/x-www-form-urlencoded"
+        answer = await Browser(self.app).request(method, path, query=query, headers=headers)
+        assert answer.raised is None, answer.raised
+        return answer.status, answer.body.decode()
 
 
 async def test_a_console_bound_to_acme_never_serves_or_redrives_another_tenants_original(

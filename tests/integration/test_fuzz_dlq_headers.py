@@ -12,10 +12,11 @@ import asyncio
 import json
 import os
 import uuid
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from console_client import Browser
 from dlq_support import take
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -109,25 +110,9 @@ def cli(*args: str) -> str:
 
 
 async def page(app_: Any, path: str, query: str = "") -> str:
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
-        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query.encode(),
-        "root_path": "", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 50000),
-        "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {VIEWER}".encode())],
-    }  # fmt: skip
-    sent: list[MutableMapping[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: MutableMapping[str, Any]) -> None:
-        sent.append(message)
-
-    await app_(scope, receive, send)
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    assert status == 200, text[:300]
-    return text.decode()
+    answer = await Browser(app_).get(path, query, authorization=f"Bearer {VIEWER}")
+    assert answer.raised is None and answer.status == 200, answer.text[:300]
+    return answer.body.decode()  # strict: the page is valid UTF-8
 
 
 # No shrinking: each example costs a round trip through the server and the tools.
