@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ from meshforge.topology.subjects import validate_subject
 from meshforge.transport.headers import text_headers
 
 if TYPE_CHECKING:
+    from nats.js.api import RawStreamMsg
+
     from meshforge.publish.publisher import Publisher
 
 __all__ = [
@@ -138,15 +141,7 @@ async def read_original(
     total: int | None = None
     head_len = 0
     subject = ""
-    seq = 1
-    while total is None or len(parts) < total:
-        try:
-            raw = await js.get_msg(stream, seq=seq, subject=copy, next=True)
-        except nats.js.errors.NotFoundError:
-            break
-        if raw.seq is None:
-            break
-        seq = raw.seq + 1
+    async for raw in _stored(js, stream, copy):
         headers = text_headers(raw.headers)
         place = _chunk(headers)
         if place is None:
@@ -159,6 +154,8 @@ async def read_original(
             raise MeshForgeError(
                 f"the original kept on {copy} is of another subject than its dead letter's"
             )
+        if len(parts) == total:
+            break
     if total is None or len(parts) < total:
         found = f"{len(parts)} of {total} chunks" if total else "nothing"
         raise MeshForgeError(f"the original kept on {copy} is missing ({found} in {stream})")
@@ -171,21 +168,25 @@ async def read_original(
     return Original(subject=subject, headers=headers_out, data=blob[head_len:])
 
 
-async def remove_original(js: JetStreamContext, stream: str, copy: str) -> int:
-    """Delete every chunk of the original kept on ``copy``, a literal subject, one stream
-    sequence at a time (nothing there is fine); returns how many were deleted."""
-    literal_copy(copy)
-    seqs: list[int] = []
+async def _stored(js: JetStreamContext, stream: str, copy: str) -> AsyncIterator[RawStreamMsg]:
+    """The messages stored on the literal subject ``copy``, in stream order."""
     seq = 1
     while True:
         try:
             raw = await js.get_msg(stream, seq=seq, subject=copy, next=True)
         except nats.js.errors.NotFoundError:
-            break
+            return
         if raw.seq is None:
-            break
-        seqs.append(raw.seq)
+            return
+        yield raw
         seq = raw.seq + 1
+
+
+async def remove_original(js: JetStreamContext, stream: str, copy: str) -> int:
+    """Delete every chunk of the original kept on ``copy``, a literal subject, one stream
+    sequence at a time (nothing there is fine); returns how many were deleted."""
+    literal_copy(copy)
+    seqs = [raw.seq async for raw in _stored(js, stream, copy) if raw.seq is not None]
     for found in seqs:
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await js.delete_msg(stream, found)
