@@ -104,21 +104,17 @@ async def last(admin: Connection, stream: str, subject: str) -> Envelope | None:
     return decode(msg.data or b"", dict(msg.headers or {}))
 
 
+def provision_as_admin(server: EmbeddedServer) -> None:
+    """The order agent's and node lab1.n1's topology, made by the admin role."""
+    args = ("provision", "--agent", "order", "--site", "lab1", "--node", "n1")
+    done = run_cli(*args, role="admin", url=server.url)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.fixture
 async def provisioned(serve: object) -> AsyncIterator[tuple[EmbeddedServer, Connection]]:
     server: EmbeddedServer = serve(printed(*ROLES))  # type: ignore[operator]
-    done = run_cli(
-        "provision",
-        "--agent",
-        "order",
-        "--site",
-        "lab1",
-        "--node",
-        "n1",
-        role="admin",
-        url=server.url,
-    )
-    assert done.returncode == 0, done.stderr
+    provision_as_admin(server)
     admin = await as_role(server, "admin")
     await nodes_bucket(admin.js, create=True)  # presence: created at deploy time, like the streams
     yield server, admin
@@ -232,18 +228,7 @@ async def test_a_missing_permission_is_one_line(role: str, serve: object, tmp_pa
         )
     server: EmbeddedServer = serve(block)  # type: ignore[operator]
     if role != "admin":
-        done = run_cli(
-            "provision",
-            "--agent",
-            "order",
-            "--site",
-            "lab1",
-            "--node",
-            "n1",
-            role="admin",
-            url=server.url,
-        )
-        assert done.returncode == 0, done.stderr
+        provision_as_admin(server)
     store = ["--store", f"sqlite:///{tmp_path / 's.db'}"] if role in ("agent", "node") else []
     done = run_cli(*args, *store, role=role, url=server.url)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
