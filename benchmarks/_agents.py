@@ -2,7 +2,7 @@
 one variant, its process, and a tap that times every output as it arrives.
 
 Variants: ``mf`` (``meshforge run _variants:EchoAgent``, SQLite store; ``mf-uvloop`` the
-same on uvloop's event loop), ``pg`` (the same on a PostgreSQL store: a database made for
+same on uvloop's event loop; ``mf-os`` the same with ``durability = os``), ``pg`` (the same on a PostgreSQL store: a database made for
 the run on ``PG_ADMIN``, dropped after), ``raw`` and ``raw-serial`` (plain nats-py loops)
 and ``fs``, ``fs-workers`` (FastStream), each one OS process; see ``_variants.py``.
 """
@@ -41,6 +41,7 @@ PG_ADMIN = os.environ.get("MESHFORGE_BENCH_PG", "postgresql://postgres@127.0.0.1
 LABELS = {
     "mf": "MeshForge agent (exactly once, SQLite)",
     "mf-uvloop": "MeshForge agent (SQLite) on uvloop",
+    "mf-os": "MeshForge agent (SQLite), durability = os",
     "pg": "MeshForge agent (exactly once, PostgreSQL)",
     "raw": f"nats-py, {LANES} pull lanes (fetch 256, publish_async, ack)",
     "raw-serial": "nats-py serial loop (fetch, publish, wait, ack)",
@@ -49,7 +50,7 @@ LABELS = {
 }
 # The baselines a floor compares with: the faster of each family in the same run.
 BARE_LOOPS, FASTSTREAMS = ("raw", "raw-serial"), ("fs", "fs-workers")
-OUR = {"mf", "pg", "mf-uvloop"}
+OUR = {"mf", "pg", "mf-uvloop", "mf-os"}
 OUTPUT_STREAMS = {k: STREAM_EVENTS if k in OUR else STREAM_OUT for k in LABELS}
 SUBJECTS = {
     k: ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked")
@@ -158,6 +159,8 @@ class Bench:
             args = meshforge_command(
                 "run", "_variants:EchoAgent", "--store", store, "--nats-url", self.server.url
             )
+            if self.kind == "mf-os":  # commits synced at checkpoints (docs/STORE.md)
+                env["MESHFORGE_DURABILITY"] = "os"
             if self.kind == "mf-uvloop":  # its event-loop policy, which asyncio.run follows
                 args[2] = "import uvloop; uvloop.install(); " + args[2]
         else:

@@ -64,6 +64,9 @@ class Settings(AuthSettings):
 
     nats_url: str | None = None
     store_url: str = "sqlite:///.meshforge/store.db"
+    # What a store commit survives before its commands are acknowledged: "sync" (a power
+    # cut: every commit synced) or "os" (a killed process, not a power cut). STORE.md.
+    durability: Literal["sync", "os"] = "sync"
     connect_timeout: float = 5.0
     connect_attempts: int = 10
     max_deliver: int = 5
@@ -309,6 +312,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "replicas": _int_between(1, 5),
     "consumer_replicas": _int_between(0, 5),
     "storage": _choice("file", "memory"),
+    "durability": _choice("sync", "os"),
     "max_age": _duration(positive=False),
     "max_bytes": _int_at_least(1, minus_one=True),
     "batch_size": _int_at_least(1),

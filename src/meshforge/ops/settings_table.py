@@ -27,6 +27,7 @@ END = "<!-- settings table: end -->"
 MEANINGS: dict[str, str] = {
     "nats_url": "NATS URL(s), comma-separated",
     "store_url": "the store: `sqlite:///path` or `postgresql://...` ([STORE.md](STORE.md))",
+    "durability": "what a store commit survives before its commands are acked: `sync` (a power cut) or `os` (a killed process) ([STORE.md](STORE.md#durability))",
     "user": "NATS user (with `password`); see [SECURITY.md](SECURITY.md)",
     "password": "NATS password",
     "token": "NATS token",

@@ -371,7 +371,9 @@ class Worker:
             )
             log.info("metrics on %s:%d", self._endpoint.host, self._endpoint.port)
         if self._store is None:
-            self._store = await asyncio.to_thread(open_store, settings.store_url)
+            self._store = await asyncio.to_thread(
+                partial(open_store, durability=settings.durability), settings.store_url
+            )
         if settings.partitions and self.deliver_group:
             raise ConfigError("partitions need pull consumers: run without --push/--deliver-group")
         self._conn = conn = await connect(

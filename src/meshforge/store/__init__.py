@@ -31,12 +31,14 @@ from meshforge.store.base import (
     StoredOutput,
     Transaction,
 )
-from meshforge.store.core import Clock
+from meshforge.store.core import DURABILITIES, Clock, Durability
 from meshforge.store.sql import redact, url_error
 
 __all__ = [
+    "DURABILITIES",
     "Clock",
     "DialectName",
+    "Durability",
     "EffectRecord",
     "InboxRecord",
     "InboxStatus",
@@ -56,24 +58,28 @@ __all__ = [
 ]
 
 
-def open_store(url: str, *, clock: Clock | None = None) -> Store:
+def open_store(url: str, *, clock: Clock | None = None, durability: Durability = "sync") -> Store:
     """Open (and create or migrate) the store at ``url``.
 
     ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db``, ``sqlite:///:memory:``
     or ``postgresql://user@host:5432/db``. A URL of any other form raises ``ConfigError``;
     an unreachable database raises ``StoreError``. ``clock`` (returning an aware UTC
     datetime) replaces the system clock, for tests of leases and retention.
+    ``durability`` says what a commit survives (docs/STORE.md "Durability"): ``"sync"``
+    a power cut, ``"os"`` a killed process only.
     """
     if not isinstance(url, str) or not url.strip():
         raise url_error(str(url), "no store URL given")
+    if durability not in DURABILITIES:
+        raise ConfigError(f"durability must be sync or os, got {durability!r}")
     if url.startswith("sqlite:"):
         from meshforge.store.sqlite import SqliteStore
 
-        return SqliteStore(url, clock=clock)
+        return SqliteStore(url, clock=clock, durability=durability)
     if url.startswith(("postgresql:", "postgres:")):
         from meshforge.store.postgres import PostgresStore
 
-        return PostgresStore(url, clock=clock)
+        return PostgresStore(url, clock=clock, durability=durability)
     raise url_error(url, "unknown scheme")
 
 

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 from meshforge.errors import StoreError
 from meshforge.store.base import (
@@ -43,6 +43,10 @@ from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
 T = TypeVar("T")
 Clock = Callable[[], datetime]
+# What a commit survives before its commands are acknowledged (docs/STORE.md "Durability"):
+# "sync" a power cut (each commit synced), "os" a killed process (the OS has the writes).
+Durability = Literal["sync", "os"]
+DURABILITIES: tuple[Durability, ...] = ("sync", "os")
 
 _OUTBOX_COLUMNS = "id, msg_id, subject, data, headers, attempts, state, created_at"
 _EVENT_COLUMNS = (

@@ -38,7 +38,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from meshforge.errors import StoreError, one_line
 from meshforge.store.base import NewEffect, NewEvent, Scoped, StoredOutput, Transaction
 from meshforge.store.batch import EFFECTS_GET, EFFECTS_MARK_PUBLISHED, STATES_GET, lock_names
-from meshforge.store.core import Clock, SqlStore
+from meshforge.store.core import Clock, Durability, SqlStore
 from meshforge.store.logtail import DuplicateEffect
 from meshforge.store.packing import pack_outputs, unpack_outputs
 from meshforge.store.schema import migrate
@@ -385,6 +385,14 @@ class PostgresTransaction(SqlTransaction):
             raise StoreError(f"postgresql store: {one_line(exc)}", kind="invalid") from exc
 
 
+def _commit_unsynced(conninfo: str) -> str:
+    """``conninfo`` with ``synchronous_commit = off``: a commit returns before its WAL
+    reaches the disk (a killed worker loses nothing; a crash of the database server or
+    its machine may undo the last few hundred milliseconds of commits)."""
+    options = str(conninfo_to_dict(conninfo).get("options") or "")
+    return make_conninfo(conninfo, options=f"{options} -c synchronous_commit=off".strip())
+
+
 def parse_url(url: str) -> tuple[str, str | None, int]:
     """``(libpq conninfo, schema, pool_size)`` from a ``postgresql://`` URL."""
     if not url.startswith(SCHEMES):
@@ -452,9 +460,13 @@ class PostgresStore(SqlStore):
 
     transaction_type = PostgresTransaction
 
-    def __init__(self, url: str, *, clock: Clock | None = None) -> None:
+    def __init__(
+        self, url: str, *, clock: Clock | None = None, durability: Durability = "sync"
+    ) -> None:
         super().__init__(url, DIALECT, clock)
         conninfo, schema, pool_size = parse_url(url)
+        if durability == "os":
+            conninfo = _commit_unsynced(conninfo)
         self._pool: ConnectionPool | None = None
         self._checks = _Checks()
         # A direct first connection gives a clear reason if the server is unreachable.

@@ -4,8 +4,10 @@ One connection in WAL mode; a lock lets one thread at a time hold a transaction,
 ``BEGIN IMMEDIATE`` plus ``busy_timeout`` make other processes wait their turn to write.
 Readers in WAL mode never block the writer.
 
-URL query options: ``busy_timeout`` (milliseconds, default 5000) and ``synchronous``
-(``full``, the default, survives power loss; ``normal`` survives a killed process only).
+URL query option: ``busy_timeout`` (milliseconds, default 5000). The ``durability``
+setting picks ``PRAGMA synchronous``: ``sync`` is FULL (a commit survives a power cut),
+``os`` is NORMAL (it survives a killed process only); the URL option ``synchronous`` is
+the older spelling of the same choice and may not contradict it.
 The outbox relay's own commits (leases, sent marks) are ``normal`` in WAL mode: a power
 cut may undo the last of them, and those rows are published again (deduplicated).
 
@@ -28,7 +30,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from meshforge.errors import StoreError, one_line
 from meshforge.store.base import Transaction
-from meshforge.store.core import Clock, SqlStore
+from meshforge.store.core import Clock, Durability, SqlStore
 from meshforge.store.schema import migrate
 from meshforge.store.sql import Cursor, Dialect, sqlite_ts_in, sqlite_ts_out, url_error
 
@@ -99,20 +101,31 @@ DIALECT = Dialect(
 )
 
 
-def parse_url(url: str) -> tuple[str, int, str]:
-    """``(path or ":memory:", busy_timeout_ms, synchronous)`` from a ``sqlite:///`` URL."""
+_SYNCHRONOUS: dict[str, str] = {"sync": "full", "os": "normal"}
+
+
+def parse_url(url: str, durability: Durability = "sync") -> tuple[str, int, str]:
+    """``(path or ":memory:", busy_timeout_ms, synchronous)`` from a ``sqlite:///`` URL.
+
+    ``synchronous`` follows ``durability`` (``sync``: FULL, ``os``: NORMAL); the URL's
+    ``synchronous`` option is its older spelling and may not contradict it."""
     if not url.startswith(PREFIX):
         raise url_error(url, "a SQLite URL starts with sqlite:/// (three slashes)")
     parts = urlsplit(url)
     path = parts.path[1:]
     if not path:
         raise url_error(url, "no database path after sqlite:///")
-    busy, synchronous = 5000, "full"
+    busy, synchronous = 5000, _SYNCHRONOUS[durability]
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name == "busy_timeout" and value.isdigit():
             busy = int(value)
         elif name == "synchronous" and value.lower() in ("full", "normal"):
-            synchronous = value.lower()
+            if value.lower() != synchronous:
+                raise url_error(
+                    url,
+                    f"synchronous={value} contradicts durability {durability!r}: set"
+                    f" durability = {'sync' if value.lower() == 'full' else 'os'} instead",
+                )
         else:
             raise url_error(
                 url,
@@ -182,9 +195,11 @@ class _Checkpointer:
 class SqliteStore(SqlStore):
     """The store in one SQLite database file (or in memory, for tests)."""
 
-    def __init__(self, url: str, *, clock: Clock | None = None) -> None:
+    def __init__(
+        self, url: str, *, clock: Clock | None = None, durability: Durability = "sync"
+    ) -> None:
         super().__init__(url, DIALECT, clock)
-        path, busy_ms, synchronous = parse_url(url)
+        path, busy_ms, synchronous = parse_url(url, durability)
         if sqlite3.sqlite_version_info < _MIN_VERSION:
             raise StoreError(
                 f"SQLite {sqlite3.sqlite_version} is too old for the store; 3.35 or newer needed"
