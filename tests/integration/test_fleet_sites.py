@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from control_support import runs, stored_count
 from fleet_support import Fleet, child, meshforge
+from nats.js.api import ExternalStream, StreamSource
 
 from meshforge.config import load_settings
 from meshforge.control.fleet import list_nodes
@@ -247,3 +249,93 @@ async def test_a_hub_with_leaf_logins_links_only_the_site_that_knows_its_passwor
     finally:
         for server in servers:
             await asyncio.to_thread(server.close)
+
+
+# nats-server declares a source cut after 10 s without a heartbeat, checked every 10 s from
+# the source's start (the link): a 20 s cut from just after the link spans that check, so
+# the site's sources have given up on their consumers when the link returns (a cut under
+# 10 s resumes at once). With nats-server's ephemeral source consumers, the job then
+# completed 40 s after the return.
+CUT = 20.0
+CATCH_UP = 10.0  # the promise (CONTROL_PLANE.md "Sites"); measured: 5 s
+
+
+async def test_a_returning_site_catches_up_within_seconds_of_its_link(
+    hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_log = tmp_path / "runs.log"
+    monkeypatch.setenv("MESHFORGE_TEST_RUN_LOG", str(run_log))
+    await hub.add_site("plantA")
+    names = ["n0", "n1", "n2", "n3"]
+    conn: Connection = await connect(load_settings({"nats_url": hub.server.url}), name="hub-ctl")
+    async with Fleet(hub.sites["plantA"].url, tmp_path / "nodes") as fleet:
+        try:
+            for name in names:
+                await fleet.start("plantA", name)
+
+            async def all_announced() -> bool:
+                return len(await list_nodes(conn.js)) == len(names)
+
+            await wait_until(all_announced, 20, "the site nodes' presence to reach the hub")
+            store = await JobStore.open(conn.js)
+            job = f"j{uuid.uuid4().hex[:8]}"
+            targets = [("plantA", n) for n in names]
+            # 30/min: the link is cut after n0 ran, 2 s before n1's command is sent.
+            await store.create(JobSpec(job, "echo", {"fw": 8}, targets=targets, rate=30))
+            controller = asyncio.create_task(JobController(conn, store, job).run())
+            first = attempt_id(job, "plantA", "n0", 1)
+            await wait_until(lambda: first in {r[0] for r in runs(run_log)}, 15, "n0 to run")
+            await hub.links["plantA"].cut()
+            cut_at = time.monotonic()
+
+            async def queued_on_hub() -> bool:
+                subjects = [control_command_subject("plantA", n) for n in names[1:]]
+                return [await stored_count(conn.js, STREAM_CONTROL, s) for s in subjects] == [1] * 3
+
+            await wait_until(queued_on_hub, 15, "the other commands to wait on the hub")
+            await asyncio.sleep(CUT - (time.monotonic() - cut_at))  # the outage itself
+            await hub.links["plantA"].restore()
+            back_at = time.monotonic()
+            assert await asyncio.wait_for(controller, 60) == "completed"
+            caught_up = time.monotonic() - back_at
+            ran = Counter(r[0] for r in runs(run_log))
+            assert ran == Counter({attempt_id(job, "plantA", n, 1): 1 for n in names}), ran
+            assert caught_up < CATCH_UP, (
+                f"the job completed {caught_up:.1f}s after the site's link returned"
+            )
+        finally:
+            await conn.close()
+
+
+async def test_a_site_linked_with_ephemeral_sources_gets_durable_ones_when_it_links_again(
+    hub: Hub,
+) -> None:
+    site = await hub.add_site("plantA")
+    site_conn = await connect(load_settings({"nats_url": site.url}), name="site")
+    hub_conn = await connect(load_settings({"nats_url": hub.server.url}), name="hub")
+    try:  # as an earlier version linked it: a filtered source, nats-server's own consumer
+        config = (await site_conn.js.stream_info(STREAM_CONTROL)).config
+        config.sources = [
+            StreamSource(
+                name=STREAM_CONTROL, filter_subject="control.cmd.plantA.>",
+                external=ExternalStream(api="$JS.hub.API"),
+            )
+        ]  # fmt: skip
+        await site_conn.js.update_stream(config)
+        await hub_conn.js.delete_consumer(STREAM_CONTROL, "meshforge-source-plantA")
+
+        changes = await link_site(site.url, "plantA", timeout=5.0)
+        assert changes == ["plantA: MESHFORGE_CONTROL sources the hub's control.cmd.plantA.>"]
+        (source,) = (await site_conn.js.stream_info(STREAM_CONTROL)).config.sources or []
+        assert source.consumer is not None and source.consumer.name == "meshforge-source-plantA"
+        await hub_conn.js.publish(control_command_subject("plantA", "n9"), b"{}")
+
+        async def crossed() -> bool:
+            subject = control_command_subject("plantA", "n9")
+            return await stored_count(site_conn.js, STREAM_CONTROL, subject) == 1
+
+        await wait_until(crossed, 10, "a command to cross to the re-linked site")
+        assert await link_site(site.url, "plantA", timeout=5.0) == []
+    finally:
+        await site_conn.close()
+        await hub_conn.close()

@@ -8,6 +8,8 @@ JetStream domain, and the control plane's streams cross the link only by sourcin
   announcements made during a cut reach the hub when the link returns.
 * The site's jobs bucket sources the hub's ``cancel.*`` keys, so a node at the site
   answers CANCELED to a canceled job's command without asking the hub.
+* Each source reads through a durable consumer on the side that holds the messages, so a
+  link back from a cut longer than 10 s resumes within seconds (CONTROL_PLANE.md "Sites").
 * The leaf connection itself denies ``control.>`` and those buckets' subjects both ways:
   every message crosses once, through a source, never also directly.
 
@@ -22,12 +24,20 @@ from __future__ import annotations
 import json
 import os
 import urllib.request
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from nats.js import JetStreamContext
-from nats.js.api import ExternalStream, KeyValueConfig, StorageType, StreamSource
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    ExternalStream,
+    KeyValueConfig,
+    StorageType,
+    StreamConsumerSource,
+    StreamSource,
+)
 
 from meshforge.config import Settings, load_settings
 from meshforge.control.jobs import JOBS_BUCKET
@@ -52,6 +62,13 @@ __all__ = [
 HUB_DOMAIN = "hub"
 # Subjects kept off the leaf connection: they cross by sourcing only.
 LINK_DENY = ("control.>", f"$KV.{NODES_BUCKET}.>", f"$KV.{JOBS_BUCKET}.>")
+
+
+# How often a site whose link dropped dials the hub again (nats-server adds up to as much
+# again at random; its default is 1s): a returning link is noticed within 1s.
+_LEAF_RECONNECT = "500ms"
+# Messages a source's consumer sends before the sourcing side acknowledges them.
+_IN_FLIGHT = 1000
 
 
 def _kv_stream(bucket: str) -> str:
@@ -81,7 +98,8 @@ def server_config(
     if hub_url is not None:
         deny = json.dumps(list(LINK_DENY))
         lines.append(
-            f"leafnodes {{ remotes: [ {{ url: {json.dumps(hub_url)}, "
+            f"leafnodes {{ reconnect: {json.dumps(_LEAF_RECONNECT)}, "
+            f"remotes: [ {{ url: {json.dumps(hub_url)}, "
             f"deny_imports: {deny}, deny_exports: {deny} }} ] }}"
         )
     return "\n".join(lines) + "\n"
@@ -143,23 +161,65 @@ def site_server(
     return _configured(Path(store_dir), server_config(domain=site, hub_url=url), port=port)
 
 
-async def _add_source(js: JetStreamContext, stream: str, source: StreamSource) -> bool:
-    """Add ``source`` to ``stream`` unless it has it; True when the config changed."""
-    config = (await js.stream_info(stream)).config
+@dataclass(frozen=True)
+class _Source:
+    """One stream sourcing another across the link through a durable consumer of its own."""
+
+    source: JetStreamContext  # the side that holds the messages
+    stream: str
+    filter_subject: str | None
+    sourcing: JetStreamContext  # the side that copies them
+    into: str
+    api: str  # the source side's JetStream API, as the sourcing side reaches it
+    consumer: str  # its name on the source side (one per sourcing domain)
+    deliver: str  # the subject it delivers on, across the link
+
+    def want(self) -> StreamSource:
+        return StreamSource(
+            name=self.stream,
+            external=ExternalStream(api=self.api),
+            consumer=StreamConsumerSource(name=self.consumer, deliver_subject=self.deliver),
+        )
+
+
+def _api(source: StreamSource) -> str | None:
+    return source.external.api if source.external else None
+
+
+async def _wire(link: _Source) -> bool:
+    """Source ``link.stream`` into ``link.into`` unless it is; True when anything changed.
+
+    The source side holds a durable push consumer for it (``AckPolicy`` flow control, the
+    kind nats-server requires for a source with ``consumer``): when a cut link returns,
+    the sourcing server resets that consumer (a 5 s request, retried as soon as a
+    heartbeat crosses) instead of creating an ephemeral one (a 30 s request that a link
+    returning in the meantime does not cut short) -- CONTROL_PLANE.md "Sites".
+    """
+    config = (await link.sourcing.stream_info(link.into)).config
+    want = link.want()
     sources: list[StreamSource] = list(config.sources or [])
-    api = source.external.api if source.external else None
-    for have in sources:
-        if have.name == source.name and (have.external.api if have.external else None) == api:
-            return False
-    config.sources = [*sources, source]
-    await js.update_stream(config)
-    return True
-
-
-def _external(domain: str, stream: str, subject: str | None = None) -> StreamSource:
-    return StreamSource(
-        name=stream, filter_subject=subject, external=ExternalStream(api=f"$JS.{domain}.API")
+    same = [s for s in sources if s.name == want.name and _api(s) == link.api]
+    if same and all(s.consumer == want.consumer for s in same):
+        return False
+    if same:  # an earlier link's source: its own consumer on the source side goes with it
+        sources = [s for s in sources if s not in same]
+        config.sources = sources
+        await link.sourcing.update_stream(config)
+    await link.source.add_consumer(
+        link.stream,
+        ConsumerConfig(
+            durable_name=link.consumer,
+            deliver_subject=link.deliver,
+            ack_policy=AckPolicy.FLOW_CONTROL,
+            flow_control=True,
+            idle_heartbeat=1.0,  # the only heartbeat nats-server takes for this ack policy
+            max_ack_pending=_IN_FLIGHT,
+            filter_subject=link.filter_subject,
+        ),
     )
+    config.sources = [*sources, want]
+    await link.sourcing.update_stream(config)
+    return True
 
 
 async def _jobs_bucket(js: JetStreamContext, settings: Settings) -> None:
@@ -197,18 +257,24 @@ async def link_site(
         await ensure(hub, streams, [])
         await nodes_bucket(hub, create=True, replicas=settings.replicas)
         await _jobs_bucket(hub, settings)
-        wiring: Sequence[tuple[JetStreamContext, str, StreamSource, str]] = (
-            (local, STREAM_CONTROL, _external(hub_domain, STREAM_CONTROL, f"control.cmd.{site}.>"),
+        sides = {hub_domain: (hub, f"$JS.{hub_domain}.API"), site: (local, f"$JS.{site}.API")}
+        wiring = (
+            (hub_domain, STREAM_CONTROL, f"control.cmd.{site}.>", site, STREAM_CONTROL,
              f"{site}: {STREAM_CONTROL} sources the hub's control.cmd.{site}.>"),
-            (local, _kv_stream(JOBS_BUCKET),
-             _external(hub_domain, _kv_stream(JOBS_BUCKET), f"$KV.{JOBS_BUCKET}.cancel.>"),
-             f"{site}: {JOBS_BUCKET} sources the hub's cancellations"),
-            (hub, STREAM_REPLIES, _external(site, STREAM_REPLIES),
+            (hub_domain, _kv_stream(JOBS_BUCKET), f"$KV.{JOBS_BUCKET}.cancel.>", site,
+             _kv_stream(JOBS_BUCKET), f"{site}: {JOBS_BUCKET} sources the hub's cancellations"),
+            (site, STREAM_REPLIES, None, hub_domain, STREAM_REPLIES,
              f"hub: {STREAM_REPLIES} sources {site}'s replies"),
-            (hub, _kv_stream(NODES_BUCKET), _external(site, _kv_stream(NODES_BUCKET)),
+            (site, _kv_stream(NODES_BUCKET), None, hub_domain, _kv_stream(NODES_BUCKET),
              f"hub: {NODES_BUCKET} sources {site}'s presence"),
         )  # fmt: skip
-        for js, stream, source, what in wiring:
-            if await _add_source(js, stream, source):
+        for frm, stream, subject, to, into, what in wiring:
+            link = _Source(
+                source=sides[frm][0], stream=stream, filter_subject=subject,
+                sourcing=sides[to][0], into=into, api=sides[frm][1],
+                consumer=f"meshforge-source-{to}",
+                deliver=f"_MESHFORGE.source.{frm}.{to}.{stream}",
+            )  # fmt: skip
+            if await _wire(link):
                 changes.append(what)
     return changes
