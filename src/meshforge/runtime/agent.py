@@ -99,13 +99,12 @@ class Command(Envelope, Generic[P]):
 def _copier() -> Callable[[Envelope, Any], Command[Any]]:
     """``Command.of``, made once: one slot write per field, no loop or lookups (it runs
     for every typed command, and a plain loop cost as much as the typed decode)."""
-    names = [f.name for f in dataclasses.fields(Envelope) if f.name != "payload"]
     scope: dict[str, Any] = {"_new": object.__new__, "_Command": Command}
-    lines = ["def of(env, payload):", "    cmd = _new(_Command)", "    _set_payload(cmd, payload)"]
-    scope["_set_payload"] = Envelope.payload.__set__  # type: ignore[misc]
-    for name in names:
-        scope[f"_set_{name}"] = getattr(Envelope, name).__set__
-        lines.append(f"    _set_{name}(cmd, env.{name})")
+    lines = ["def of(env, payload):", "    cmd = _new(_Command)"]
+    for name in (f.name for f in dataclasses.fields(Envelope)):
+        scope[f"_set_{name}"] = getattr(Envelope, name).__set__  # the slot's descriptor
+        value = "payload" if name == "payload" else f"env.{name}"
+        lines.append(f"    _set_{name}(cmd, {value})")
     exec("\n".join([*lines, "    return cmd"]), scope)  # as dataclasses makes __init__
     return cast(Callable[[Envelope, Any], Command[Any]], scope["of"])
 
@@ -199,8 +198,8 @@ def command(
 
     def mark(fn: F) -> F:
         spec = CommandSpec(name, fn, key, timeout, payload)
-        fn.__meshforge_command__ = spec  # type: ignore[misc]
-        fn.__meshforge_scope__ = scope  # type: ignore[misc]
+        fn.__meshforge_command__ = spec  # type: ignore[attr-defined]
+        fn.__meshforge_scope__ = scope  # type: ignore[attr-defined]
         return fn
 
     return mark
