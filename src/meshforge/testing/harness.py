@@ -126,7 +126,9 @@ class AgentHarness(Generic[S]):
         self, command: str, payload: Mapping[str, Any] | Any = None, *,
         envelope: Envelope | None = None, **fields: Any,
     ) -> Sent[S]:  # fmt: skip
-        """Handle one command now; ``fields`` go to ``Envelope.new`` (e.g. ``idempotency_key``).
+        """Handle one command now; ``payload`` is a dict or a typed payload (sent as its
+        fields, as a publisher would); ``fields`` go to ``Envelope.new`` (e.g.
+        ``idempotency_key``).
 
         Usable from plain and from ``async`` tests (then it runs on a helper thread).
         """
