@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshforge import Command, ConfigError, InvalidPayload
+from meshforge.console.letters import REASONS as console_reasons
 from meshforge.consume.decisions import REASON_INVALID_PAYLOAD, Action
 from meshforge.consume.policy import Cause, FailurePolicy, Outcome
 from meshforge.deadletters.route import REASONS
@@ -174,6 +175,7 @@ def test_a_payload_that_does_not_fit_is_an_invalid_payload_dead_letter(
 
 def test_invalid_payload_is_a_contract_reason_and_never_retried() -> None:
     assert REASON_INVALID_PAYLOAD in REASONS
+    assert console_reasons == REASONS  # the console's dead-letter filter offers it too
     policy = FailurePolicy(max_deliver=5, backoff=(1.0,))
     decision = policy.decide(Outcome(Cause.HANDLER, 1, InvalidPayload("at `$.qty`")))
     assert decision.action is Action.DEAD_LETTER and decision.reason == "invalid_payload"
