@@ -29,8 +29,7 @@ from meshforge.consume.decisions import REASON_MAX_DELIVERIES, Action, Decision
 from meshforge.envelope import Envelope, Outbound, decode
 from meshforge.runtime import payloads
 from meshforge.runtime.agent import Agent
-from meshforge.runtime.engine import failure_policy
-from meshforge.runtime.step import Step
+from meshforge.runtime.step import Step, failure_policy
 from meshforge.store.base import StoredOutput
 from meshforge.topology.subjects import command_subject
 from meshforge.transport.sizes import SizeLimits
