@@ -8,12 +8,14 @@ import copy
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jsonschema
 import msgspec
+import pydantic
 import pytest
 
 from meshforge.contract import asyncapi, payload_schemas
@@ -22,7 +24,7 @@ from meshforge.control.reply import reply_envelope
 from meshforge.demo import DemoNode, InventoryAgent, OrderAgent
 from meshforge.envelope import Envelope, Outbound
 from meshforge.errors import ConfigError
-from meshforge.runtime.agent import Agent, Event, Output
+from meshforge.runtime.agent import Agent, Command, Event, Output
 from meshforge.runtime.agent import command as agent_command
 from meshforge.transport.headers import RESERVED
 
@@ -146,7 +148,7 @@ def _resolve(doc: dict[str, Any], ref: str) -> Any:
 
 
 def test_every_reference_in_the_document_resolves() -> None:
-    doc = asyncapi([OrderAgent, InventoryAgent, TypedAgent], [DemoNode(), QuotedNode()])
+    doc = asyncapi([OrderAgent, InventoryAgent, TypedAgent, ShopAgent], [DemoNode(), QuotedNode()])
     refs = set(_refs(doc))
     assert "#/components/schemas/Envelope" in refs
     for ref in refs:
@@ -256,3 +258,124 @@ def test_the_payload_schemas_are_one_json_schema_document() -> None:
         reply.iter_errors({"status": "ok", "result": None, "error": None, "node_epoch": 1})
     )
     assert list(reply.iter_errors({"status": "maybe"}))
+
+
+# ---- typed payloads ----------------------------------------------------------------
+
+
+class PlaceOrder(msgspec.Struct):
+    order_id: str
+    qty: int
+    note: str | None = None
+
+
+@dataclass
+class Cancel:
+    order_id: str
+    reason: str = ""
+
+
+class Address(pydantic.BaseModel):
+    street: str
+    city: str
+
+
+class Shipping(pydantic.BaseModel):
+    order_id: str
+    to: Address
+
+
+class Line(msgspec.Struct):
+    sku: str
+    qty: int
+
+
+class OrderPlaced(msgspec.Struct):
+    order_id: str
+    lines: list[Line]
+
+
+# Another type of the same name, as two modules may each have one.
+OtherPlaceOrder = msgspec.defstruct("PlaceOrder", [("sku", str)])
+
+
+class ShopState(msgspec.Struct):
+    placed: bool = False
+
+
+class ShopAgent(Agent[ShopState]):
+    name = "shop"
+    events: ClassVar[Mapping[str, type]] = {"placed": OrderPlaced}
+
+    @agent_command("place", key="order_id")
+    def place(self, cmd: Command[PlaceOrder], state: ShopState) -> list[Output]:
+        line = Line(sku="A-1", qty=cmd.payload.qty)
+        return [Event("placed", OrderPlaced(cmd.payload.order_id, [line])), Event("noted", {})]
+
+    @agent_command("cancel", key="order_id", payload=Cancel)
+    def cancel(self, cmd: Command[Cancel], state: ShopState) -> list[Output]:
+        return []
+
+    @agent_command("ship", key="order_id")
+    def ship(self, cmd: Command[Shipping], state: ShopState) -> list[Output]:
+        return []
+
+    @agent_command("restock", payload=OtherPlaceOrder)
+    def restock(self, cmd: Envelope, state: ShopState) -> list[Output]:
+        return []
+
+    @agent_command("note")
+    def note(self, cmd: Envelope, state: ShopState) -> list[Output]:
+        return []
+
+
+def _payload_of(doc: dict[str, Any], message: str) -> Any:
+    return doc["components"]["messages"][message]["payload"]["allOf"][1]["properties"]["payload"]
+
+
+def test_a_typed_agent_makes_a_document_the_official_schema_accepts(
+    official: jsonschema.Draft7Validator,
+) -> None:
+    doc = asyncapi([ShopAgent])
+    assert _errors(official, doc) == []
+    for ref in _refs(doc):
+        _resolve(doc, ref)
+    schemas = doc["components"]["schemas"]
+    assert _payload_of(doc, "cmd.shop.place") == {"$ref": "#/components/schemas/PlaceOrder"}
+    assert set(schemas["PlaceOrder"]["required"]) == {"order_id", "qty"}
+    assert _payload_of(doc, "cmd.shop.cancel") == {"$ref": "#/components/schemas/Cancel"}
+    assert _payload_of(doc, "cmd.shop.ship") == {"$ref": "#/components/schemas/Shipping"}
+    assert "Address" in schemas  # Pydantic's nested model, hoisted out of its $defs
+    assert _payload_of(doc, "evt.shop.placed") == {"$ref": "#/components/schemas/OrderPlaced"}
+    assert "Line" in schemas
+    # Two different types named PlaceOrder are both kept, told apart.
+    assert _payload_of(doc, "cmd.shop.restock") == {"$ref": "#/components/schemas/PlaceOrder_2"}
+    assert schemas["PlaceOrder_2"]["required"] == ["sku"]
+    # Dict payloads stay free objects.
+    assert _payload_of(doc, "cmd.shop.note")["type"] == "object"
+    assert _payload_of(doc, "evt.shop.noted")["type"] == "object"
+
+
+def test_a_typed_body_fits_its_message_and_a_wrong_field_does_not() -> None:
+    doc = asyncapi([ShopAgent])
+    validator = _body_validator(doc, "cmd.shop.place", "payload")
+    good = Envelope.new("shop.place", msgspec.to_builtins(PlaceOrder("o-1", 2)))
+    assert _errors(validator, good.to_dict()) == []
+    for payload in ({"order_id": "o-1", "qty": "2"}, {"order_id": "o-1"}):
+        assert _errors(validator, Envelope.new("shop.place", payload).to_dict()), payload
+    shipping = _body_validator(doc, "cmd.shop.ship", "payload")
+    to = {"street": "Main 1", "city": "Oslo"}
+    assert _errors(shipping, Envelope.new("shop.ship", {"order_id": "o", "to": to}).to_dict()) == []
+    bad = {"order_id": "o", "to": {"street": "Main 1"}}
+    assert _errors(shipping, Envelope.new("shop.ship", bad).to_dict())
+
+
+def test_the_typed_payload_schemas_refer_to_their_own_defs() -> None:
+    doc = payload_schemas([ShopAgent])
+    jsonschema.Draft202012Validator.check_schema(doc)
+    assert doc["$defs"]["cmd.shop.place"] == {"$ref": "#/$defs/PlaceOrder"}
+    for ref in _refs(doc):
+        _resolve(doc, ref)
+    placed = jsonschema.Draft202012Validator({**doc, "$ref": "#/$defs/evt.shop.placed"})
+    assert not list(placed.iter_errors({"order_id": "o", "lines": [{"sku": "A", "qty": 1}]}))
+    assert list(placed.iter_errors({"order_id": "o", "lines": [{"sku": "A"}]}))

@@ -27,8 +27,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from meshforge.contract.declared import Message, agent_messages, node_messages
 from meshforge.control.client import H_TTL
 from meshforge.control.node import Node
@@ -59,6 +57,7 @@ from meshforge.envelope import (
 )
 from meshforge.errors import ConfigError
 from meshforge.runtime.agent import Agent
+from meshforge.runtime.payloads import json_schema
 from meshforge.transport.headers import PRODUCER_PREFIX
 
 __all__ = [
@@ -206,10 +205,6 @@ _COMPONENT_NAME = re.compile(r"[^\w.\-]")
 _LOCAL_REF = "#/$defs/"
 
 
-def _json_schema(tp: type) -> dict[str, Any]:
-    return msgspec.json.schema(tp)
-
-
 class _Schemas:
     """The named types of the payload schemas, each type's own ``$defs`` hoisted under one
     ``prefix`` (``#/components/schemas/`` or ``#/$defs/``); two different types of one
@@ -224,7 +219,7 @@ class _Schemas:
         """The schema of a payload of type ``tp`` (None: a dict), referring to ``named``."""
         if tp is None:
             return dict(_FREE_OBJECT)
-        schema = dict(_json_schema(tp))
+        schema = dict(json_schema(tp))
         local: dict[str, Any] = dict(schema.pop("$defs", {}))
         if not (set(schema) == {"$ref"} and str(schema["$ref"]).startswith(_LOCAL_REF)):
             name = str(schema.get("title") or tp.__name__)

@@ -68,10 +68,9 @@ def agent_messages(agent: Agent[Any] | type[Agent[Any]]) -> AgentMessages:
     """What ``agent`` (a class or an instance) declares."""
     cls = agent if isinstance(agent, type) else type(agent)
     commands = tuple(
-        Message(spec.name, getattr(spec, "payload", None), _doc(spec.handler))
-        for spec in cls.commands().values()
+        Message(spec.name, spec.payload, _doc(spec.handler)) for spec in cls.commands().values()
     )
-    typed: dict[str, type] = dict(getattr(cls, "events", {}))
+    typed: dict[str, type] = dict(cls.events)
     names = [*typed, *(name for name in _literal_events(cls) if name not in typed)]
     events = tuple(Message(name, typed.get(name), "") for name in dict.fromkeys(names))
     return AgentMessages(cls.name, _doc(cls), commands, events)
