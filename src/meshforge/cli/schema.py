@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
 
-T = TypeVar("T")
+from meshforge.cli.common import Nodes, load_contract_parts
 
 
 class Format(enum.StrEnum):
@@ -35,14 +34,7 @@ def schema(
             metavar="MODULE:AGENT...", help="The agents, e.g. meshforge.demo:OrderAgent."
         ),
     ] = None,
-    nodes: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--nodes",
-            metavar="MODULE:NODE",
-            help="A control-plane node class whose commands to add (repeatable).",
-        ),
-    ] = None,
+    nodes: Nodes = None,
     fmt: Annotated[
         Format,
         typer.Option("--format", help="asyncapi: the whole document; json-schema: the payloads."),
@@ -61,16 +53,12 @@ def schema(
 ) -> None:
     """Write the wire contract of agents and nodes: AsyncAPI 3.0.0, or JSON Schema payloads."""
     from meshforge.contract import asyncapi, payload_schemas
-    from meshforge.control.node import load_node
     from meshforge.envelope import SCHEMA_VERSION
     from meshforge.errors import ConfigError
-    from meshforge.runtime.worker import import_from_cwd, load_agent
 
     if not agents and not nodes:
         raise ConfigError("schema: name at least one MODULE:AGENT or --nodes MODULE:NODE")
-    import_from_cwd()
-    found = [_loaded(spec, load_agent) for spec in agents or []]
-    runs = [_loaded(spec, load_node) for spec in nodes or []]
+    found, runs = load_contract_parts(agents, nodes)
     doc: dict[str, Any]
     if fmt is Format.asyncapi:
         doc = asyncapi(found, runs, title=title, version=api_version or SCHEMA_VERSION)
@@ -89,15 +77,3 @@ def schema(
         out.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"--out {str(out)!r}: cannot write it: {exc.strerror}") from None
-
-
-def _loaded(spec: str, load: Callable[[str], T]) -> T:
-    """``load(spec)``, whose failures are one line: a module that raises on import, too."""
-    from meshforge.errors import ConfigError, MeshForgeError, one_line
-
-    try:
-        return load(spec)
-    except MeshForgeError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"{spec!r}: cannot load it: {one_line(exc)}") from None
