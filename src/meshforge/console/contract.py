@@ -71,14 +71,13 @@ def _view(doc: dict[str, Any]) -> dict[str, Any]:
             }
         )
     schemas = doc["components"]["schemas"]
+    envelope = schemas["EnvelopeHeaders"]["properties"]
+    control = schemas["ControlHeaders"]["properties"]
     headers = [
-        (title, schemas[name]["properties"])
-        for title, name in (
-            ("Every envelope", "EnvelopeHeaders"),
-            ("A node's command, besides", "ControlHeaders"),
-            ("A dead letter, besides the producer's", "DeadLetterHeaders"),
-            ("A kept original's chunk", "OriginalChunkHeaders"),
-        )
+        ("Every envelope", envelope),
+        ("A node's command, besides", {k: v for k, v in control.items() if k not in envelope}),
+        ("A dead letter, besides the producer's", schemas["DeadLetterHeaders"]["properties"]),
+        ("A kept original's chunk", schemas["OriginalChunkHeaders"]["properties"]),
     ]
     return {
         "info": doc["info"],
