@@ -299,6 +299,15 @@ class OrderPlaced(msgspec.Struct):
 OtherPlaceOrder = msgspec.defstruct("PlaceOrder", [("sku", str)])
 
 
+class Envelope_(msgspec.Struct):
+    """A payload type that happens to share its name with MeshForge's envelope schema."""
+
+    sealed: bool
+
+
+Envelope_.__name__ = Envelope_.__qualname__ = "Envelope"
+
+
 class ShopState(msgspec.Struct):
     placed: bool = False
 
@@ -322,6 +331,10 @@ class ShopAgent(Agent[ShopState]):
 
     @agent_command("restock", payload=OtherPlaceOrder)
     def restock(self, cmd: Envelope, state: ShopState) -> list[Output]:
+        return []
+
+    @agent_command("wrap", payload=Envelope_)
+    def wrap(self, cmd: Envelope, state: ShopState) -> list[Output]:
         return []
 
     @agent_command("note")
@@ -351,6 +364,10 @@ def test_a_typed_agent_makes_a_document_the_official_schema_accepts(
     # Two different types named PlaceOrder are both kept, told apart.
     assert _payload_of(doc, "cmd.shop.restock") == {"$ref": "#/components/schemas/PlaceOrder_2"}
     assert schemas["PlaceOrder_2"]["required"] == ["sku"]
+    # A type named as one of the document's own schemas leaves that schema alone.
+    assert _payload_of(doc, "cmd.shop.wrap") == {"$ref": "#/components/schemas/Envelope_2"}
+    assert schemas["Envelope_2"]["required"] == ["sealed"]
+    assert "payload" in schemas["Envelope"]["properties"]
     # Dict payloads stay free objects.
     assert _payload_of(doc, "cmd.shop.note")["type"] == "object"
     assert _payload_of(doc, "evt.shop.noted")["type"] == "object"

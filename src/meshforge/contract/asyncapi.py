@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,12 +208,13 @@ _LOCAL_REF = "#/$defs/"
 class _Schemas:
     """The named types of the payload schemas, each type's own ``$defs`` hoisted under one
     ``prefix`` (``#/components/schemas/`` or ``#/$defs/``); two different types of one
-    name are told apart with a suffix."""
+    name, or a type named as one of the ``taken`` schemas, are told apart with a suffix."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, taken: Iterable[str] = ()) -> None:
         self.prefix = prefix
         self.named: dict[str, Any] = {}
-        self._bodies: dict[str, str] = {}
+        # The JSON of each named body; a taken name's matches no body.
+        self._bodies: dict[str, str | None] = dict.fromkeys(taken)
 
     def of(self, tp: type | None) -> dict[str, Any]:
         """The schema of a payload of type ``tp`` (None: a dict), referring to ``named``."""
@@ -342,7 +343,7 @@ def asyncapi(
     ``version`` is the API's (default: the envelope version); ``tenant`` narrows the
     ``tenant`` parameter to one value (a console bound to a tenant).
     """
-    schemas = _Schemas("#/components/schemas/")
+    schemas = _Schemas("#/components/schemas/", taken=_FIXED_SCHEMAS)
     channels: dict[str, Any] = {}
     operations: dict[str, Any] = {}
     messages: dict[str, Any] = {}
