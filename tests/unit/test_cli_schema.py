@@ -12,7 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from meshforge.cli import app
+from meshforge.cli import app, main
 
 OFFICIAL = Path(__file__).parent / "asyncapi" / "asyncapi-3.0.0.json"
 DEMO = ["meshforge.demo:OrderAgent", "meshforge.demo:InventoryAgent"]
@@ -70,14 +70,31 @@ def test_json_schema_format_writes_the_payloads_alone() -> None:
     ],
 )
 def test_a_bad_agent_or_node_is_one_line_and_exit_2(
-    args: list[str], said: str, tmp_path: Path
+    args: list[str],
+    said: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     (tmp_path / "raising_module.py").write_text("raise RuntimeError('broken at import')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the cwd the command adds goes with it
+    monkeypatch.setattr(sys, "argv", ["meshforge", "schema", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1, err
+    assert lines[0].startswith("error: ") and said in lines[0], err
+
+
+def test_the_program_itself_says_it_in_one_line() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "meshforge", "schema", *args],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False,
+        [sys.executable, "-m", "meshforge", "schema", "meshforge.demo:Nope"],
+        capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert done.stdout == ""
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0], done.stderr
+    assert done.returncode == 2 and done.stdout == ""
+    assert (
+        done.stderr == "error: agent 'meshforge.demo:Nope': module 'meshforge.demo' has no 'Nope'\n"
+    )
