@@ -233,6 +233,9 @@ def test_descriptions_come_from_docstrings() -> None:
     assert doc["operations"]["control.QuotedNode.ping"]["description"] == "Answers pong."
     tags = {tag["name"]: tag["description"] for tag in doc["info"]["tags"]}
     assert "<script>alert(1)</script>" in tags["typed"]
+    # A class without a docstring does not show its base's.
+    bare = asyncapi([ShopAgent])["info"]["tags"][0]["description"]
+    assert bare == "The agent `shop`."
 
 
 def test_an_agent_or_node_given_twice_is_refused_with_one_line() -> None:

@@ -61,7 +61,9 @@ class NodeMessages:
 
 
 def _doc(obj: object) -> str:
-    return inspect.getdoc(obj) or ""
+    """``obj``'s own docstring, cleaned: a class without one does not show its base's."""
+    text = vars(obj).get("__doc__") if isinstance(obj, type) else getattr(obj, "__doc__", None)
+    return inspect.cleandoc(text) if isinstance(text, str) else ""
 
 
 def agent_messages(agent: Agent[Any] | type[Agent[Any]]) -> AgentMessages:
