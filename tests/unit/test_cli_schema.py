@@ -98,3 +98,14 @@ def test_the_program_itself_says_it_in_one_line() -> None:
     assert (
         done.stderr == "error: agent 'meshforge.demo:Nope': module 'meshforge.demo' has no 'Nope'\n"
     )
+
+
+def test_the_consoles_agent_option_fails_the_same_way_before_it_listens(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["meshforge", "console", "--agent", "meshforge.demo:Nope"])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and "meshforge console at" not in out
+    assert err == "error: agent 'meshforge.demo:Nope': module 'meshforge.demo' has no 'Nope'\n"
