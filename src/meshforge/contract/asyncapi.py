@@ -318,7 +318,7 @@ def _described(schema: dict[str, Any], message: Message) -> dict[str, Any]:
 
 
 def _title(agents: Sequence[AgentLike], nodes: Sequence[Node]) -> str:
-    names = [agent_messages(a).name for a in agents] + [type(n).__name__ for n in nodes]
+    names = [a.name for a in agents] + [type(n).__name__ for n in nodes]
     return "MeshForge: " + ", ".join(names)
 
 
