@@ -196,6 +196,8 @@ _ROUTES: list[tuple[str, str, tuple[str, ...]]] = [
     ("GET", "/jobs", ()),
     ("GET", "/jobs/{}", ()),
     ("POST", "/jobs/{}/cancel", ("confirm",)),
+    ("GET", "/contract", ()),
+    ("GET", "/contract.json", ()),
 ]
 _WHO = ["nobody", "viewer bearer", "operator bearer", "wrong bearer", "session"]
 _SITE = [None, "same-origin", "cross-site", "same-site", "none"]

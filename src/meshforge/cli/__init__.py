@@ -53,7 +53,7 @@ def _root(
 # Sub-commands, each in its own module with a ``register(app)`` function.
 _COMMANDS = (
     "init", "server", "provision", "publish", "events", "run", "relay", "replay", "dlq", "node", "ctl",
-    "pipeline", "demo", "permissions", "holds", "console",
+    "pipeline", "demo", "permissions", "holds", "console", "schema",
 )  # fmt: skip
 
 for _name in _COMMANDS:

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from meshforge.config import Settings
+    from meshforge.control.node import Node
+    from meshforge.runtime.agent import Agent
 
 #: Width of output that goes to a pipe or file: wide enough that no line is folded mid-word.
 PIPED_WIDTH = 1000
@@ -210,3 +212,45 @@ def json_payload(text: str | None) -> dict[str, Any]:
             f"expected a JSON object, got {type(value).__name__}", param_hint="JSON"
         )
     return value
+
+
+Agents = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--agent", metavar="MODULE:AGENT", help="An agent whose contract to show (repeatable)."
+    ),
+]
+Nodes = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--nodes",
+        "--node",
+        metavar="MODULE:NODE",
+        help="A control-plane node class whose commands to add (repeatable).",
+    ),
+]
+
+
+def load_contract_parts(
+    agents: list[str] | None, nodes: list[str] | None
+) -> tuple[list[Agent[Any]], list[Node]]:
+    """The agents and nodes named ``MODULE:NAME`` (modules of the current directory too);
+    any failure, an exception raised by the module itself included, is one ConfigError."""
+    from meshforge.control.node import load_node
+    from meshforge.runtime.worker import import_from_cwd, load_agent
+
+    import_from_cwd()
+    return [_loaded(spec, load_agent) for spec in agents or []], [
+        _loaded(spec, load_node) for spec in nodes or []
+    ]
+
+
+def _loaded(spec: str, load: Callable[[str], Any]) -> Any:
+    from meshforge.errors import ConfigError, MeshForgeError, one_line
+
+    try:
+        return load(spec)
+    except MeshForgeError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"{spec!r}: cannot load it: {one_line(exc)}") from None

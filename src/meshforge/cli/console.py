@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from meshforge.cli.common import NatsUrl, nats_target
+from meshforge.cli.common import Agents, NatsUrl, Nodes, load_contract_parts, nats_target
 
 DEFAULT_PORT = 8222
 
@@ -72,9 +72,12 @@ def console(
         bool,
         typer.Option("--https-only", help="Mark the session cookie Secure (behind a TLS proxy)."),
     ] = False,
+    agent: Agents = None,
+    node: Nodes = None,
     nats_url: NatsUrl = None,
 ) -> None:
-    """Serve the operator's web console: overview, dead letters, nodes, pipeline reports.
+    """Serve the operator's web console: overview, dead letters, nodes, pipeline reports,
+    and the Contract page of the agents (--agent) and node classes (--node) given.
 
     Tokens: MESHFORGE_CONSOLE_VIEWER_TOKEN and MESHFORGE_CONSOLE_OPERATOR_TOKEN (or their
     _FILE variants). Scripts send `Authorization: Bearer TOKEN`; people sign in once.
@@ -91,12 +94,14 @@ def console(
     settings = load_settings({"nats_url": nats_url, "tenant": tenant})
     tokens = ConsoleTokens.from_settings(settings)
     check_bind(host, tokens)
+    agents, nodes = load_contract_parts(agent, node)
     configure_logging(settings.log_level, settings.log_json)
     with nats_target(settings.nats_url) as url:
         sock = bind(host, port)
         app = create_app(
-            settings, nats_url=url, tokens=tokens, reports=reports, https_only=https_only
-        )
+            settings, nats_url=url, tokens=tokens, reports=reports, https_only=https_only,
+            agents=agents, nodes=nodes,
+        )  # fmt: skip
         shown = f"[{host.strip('[]')}]" if ":" in host else host
         typer.echo(f"meshforge console at http://{shown}:{sock.getsockname()[1]}/", err=False)
         if not tokens.configured:

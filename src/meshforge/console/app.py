@@ -12,8 +12,9 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -24,7 +25,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshforge.config import Settings
-from meshforge.console import jobs, letters, pages
+from meshforge.console import contract, jobs, letters, pages
 from meshforge.console.auth import (
     CSP,
     SECURITY_HEADERS,
@@ -35,6 +36,9 @@ from meshforge.console.auth import (
     SignInThrottle,
 )
 from meshforge.console.web import HERE, Console
+from meshforge.contract import asyncapi
+from meshforge.control.node import Node
+from meshforge.runtime.agent import Agent
 from meshforge.transport.connection import connect
 
 __all__ = ["create_app"]
@@ -100,16 +104,23 @@ def create_app(
     https_only: bool = False,
     throttle: SignInThrottle | None = None,
     clock: Clock | None = None,
+    agents: Sequence[Agent[Any]] = (),
+    nodes: Sequence[Node] = (),
 ) -> Starlette:
     """The console for the server at ``nats_url``; bound to ``settings.tenant`` when set.
 
-    ``throttle`` and ``clock`` (the sessions' time, monotonic seconds) are for tests.
+    ``agents`` and ``nodes`` are what its Contract page shows (nodes only when it is not
+    bound to a tenant: they belong to sites). ``throttle`` and ``clock`` (the sessions'
+    time, monotonic seconds) are for tests.
     """
     tokens = tokens if tokens is not None else ConsoleTokens.from_settings(settings)
     sessions = Sessions(idle=settings.console_session_idle, clock=clock or time.monotonic)
     console = Console(
         settings, tokens, settings.tenant, reports, sessions, throttle or SignInThrottle()
     )
+    shown_nodes = nodes if settings.tenant is None else ()
+    if agents or shown_nodes:
+        console.contract = asyncapi(agents, shown_nodes, tenant=settings.tenant)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -139,6 +150,7 @@ def create_app(
         *pages.routes,
         *letters.routes,
         *jobs.routes,
+        *contract.routes,
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)

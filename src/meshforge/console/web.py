@@ -51,6 +51,8 @@ class Console:
     sessions: Sessions
     throttle: SignInThrottle = field(default_factory=SignInThrottle)
     conn: Connection | None = None
+    #: The AsyncAPI document of the agents and nodes it was given (None: none given).
+    contract: dict[str, Any] | None = None
 
     @property
     def connection(self) -> Connection:
