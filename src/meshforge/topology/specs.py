@@ -92,6 +92,9 @@ class StreamSpec:
     description: str = ""
     # Per-message TTL (header Nats-TTL, nats-server 2.11+): a letter leaves when it expires.
     allow_msg_ttl: bool = False
+    # Consumers the stream takes (-1: unlimited). Set on purpose, never left to a default:
+    # a server refuses the consumer past it, and a node without one never starts.
+    max_consumers: int = -1
 
     def __post_init__(self) -> None:
         for subject in self.subjects:
@@ -111,6 +114,7 @@ class StreamSpec:
             max_age=self.max_age,
             max_bytes=self.max_bytes,
             allow_msg_ttl=self.allow_msg_ttl or None,
+            max_consumers=self.max_consumers,
         )
 
 
@@ -236,6 +240,7 @@ def default_streams(settings: Settings) -> list[StreamSpec]:
         discard: Discard,
         what: str,
         ttl: bool = False,
+        max_consumers: int = -1,
     ) -> StreamSpec:
         return StreamSpec(
             name=name,
@@ -249,13 +254,22 @@ def default_streams(settings: Settings) -> list[StreamSpec]:
             discard=discard,
             description=f"MeshForge {what}",
             allow_msg_ttl=ttl,
+            max_consumers=max_consumers,
         )
 
     return [
         spec(STREAM_COMMANDS, "cmd.>", "workqueue", "new", "commands to agents"),
         spec(STREAM_EVENTS, "evt.>", "limits", "old", "events from agents"),
         spec(STREAM_FAILED, "failed.>", "limits", "new", "dead letters"),
-        spec(STREAM_CONTROL, "control.cmd.>", "workqueue", "new", "node mailboxes", ttl=True),
+        spec(
+            STREAM_CONTROL,
+            "control.cmd.>",
+            "workqueue",
+            "new",
+            "node mailboxes",
+            ttl=True,
+            max_consumers=settings.control_max_consumers,
+        ),
         spec(STREAM_REPLIES, "control.reply.>", "limits", "old", "node replies"),
     ]
 
@@ -527,6 +541,9 @@ def describe_stream(cfg: StreamConfig) -> dict[str, str]:
         "max_age": format_duration(cfg.max_age) if cfg.max_age else "unlimited",
         "max_bytes": str(cfg.max_bytes) if cfg.max_bytes and cfg.max_bytes > 0 else "unlimited",
         "allow_msg_ttl": "yes" if cfg.allow_msg_ttl else "no",
+        "max_consumers": (
+            str(cfg.max_consumers) if cfg.max_consumers and cfg.max_consumers > 0 else "unlimited"
+        ),
     }
 
 
