@@ -24,7 +24,7 @@ from meshforge.console.status import StatusReader
 from meshforge.control import ControlClient
 from meshforge.control.fleet import survey
 from meshforge.control.presence import nodes_bucket, presence_key
-from meshforge.topology.provision import ensure
+from meshforge.topology.provision import apply, ensure, plan
 from meshforge.topology.specs import default_streams, node_consumer
 from meshforge.transport.buckets import key_value
 from meshforge.transport.connection import connect
@@ -221,3 +221,37 @@ async def test_reading_the_fleet_costs_a_few_requests_and_the_console_agrees(
         assert fleet_view.summary() == f"{count} announced, {count - 10} mailboxes"
         waiting = {f"control.cmd.big.q{i}": 1 for i in range(0, count, 7)}
         assert fleet_view.mailboxes.depths == waiting
+
+
+async def test_the_1001st_node_starts_where_the_servers_default_would_refuse_it(
+    private_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    # nats-server 2.15 gives a stream that sets no limit 1000 consumers: provisioning sets
+    # one on purpose, and a control stream made before that is updated, with the change shown.
+    settings = load_settings({"nats_url": private_server.url}, env={})
+    async with await connect(settings, name="setup") as admin:
+        control = next(s for s in default_streams(settings) if s.name == "MESHFORGE_CONTROL")
+        bare = control.config()
+        bare.max_consumers = None
+        await admin.js.add_stream(bare)  # as an older MeshForge made it
+        planned = await plan(admin.js, default_streams(settings))
+        step = next(s for s in planned.steps if s.name == "MESHFORGE_CONTROL")
+        assert step.details == (
+            "max_consumers server default (1000 on nats-server 2.15) -> unlimited"
+        )
+        await apply(admin.js, planned)
+        await nodes_bucket(admin.js, create=True)
+        for batch in range(0, 1000, 100):
+            await asyncio.gather(
+                *(
+                    admin.js.add_consumer(
+                        "MESHFORGE_CONTROL",
+                        node_consumer("big", f"n{i}", settings).config(),
+                    )
+                    for i in range(batch, batch + 100)
+                )
+            )
+        async with Fleet(private_server.url, tmp_path) as fleet:
+            await fleet.start("big", "n1000")
+        info = await admin.js.stream_info("MESHFORGE_CONTROL")
+        assert info.state.consumer_count == 1001

@@ -25,7 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from meshforge.control.presence import NODES_BUCKET, STALE_INTERVALS, Announcement
-from meshforge.topology.specs import js_api
+from meshforge.topology.specs import consumer_limit, js_api
 from meshforge.topology.subjects import STREAM_CONTROL, control_command_subject, validate_token
 from meshforge.transport.listing import read_bucket
 
@@ -103,7 +103,8 @@ class NodeRow:
 @dataclass(frozen=True, slots=True)
 class Mailboxes:
     """The control stream's side: commands stored per mailbox subject, the number of
-    mailboxes (consumers) and the stream's consumer limit (-1: none)."""
+    mailboxes (consumers) and the stream's consumer limit as the server applies it (-1:
+    none; a stream that sets none has nats-server 2.15's default, 1000)."""
 
     depths: dict[str, int]
     count: int
@@ -184,7 +185,7 @@ async def mailboxes(js: JetStreamContext, site: str | None = None) -> Mailboxes:
         page: dict[str, int] = state.get("subjects") or {}
         depths.update(page)
         count = int(state.get("consumer_count") or 0)
-        limit = int((info.get("config") or {}).get("max_consumers") or -1)
+        limit = consumer_limit((info.get("config") or {}).get("max_consumers"))
         if not page or len(depths) >= int(info.get("total") or 0):
             return Mailboxes(depths, count, limit)
 

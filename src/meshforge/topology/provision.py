@@ -32,6 +32,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from meshforge.errors import MissingTopology, OverlapError, TopologyError, one_line
 from meshforge.topology.specs import (
+    SERVER_DEFAULT_CONSUMERS,
     Action,
     ApplyReport,
     Change,
@@ -422,7 +423,13 @@ def _limit_reached(spec: ConsumerSpec, planned: Plan) -> str:
         for s in planned.steps
         if isinstance(s.spec, StreamSpec) and s.spec.name == spec.stream
     ]
-    at = f" of {limits[0]}" if limits and limits[0] > 0 else ""
+    if limits and limits[0] < 1:  # the stream sets none: the account's or the server's
+        return (
+            f"consumer {spec.durable} refused: stream {spec.stream} sets no consumer limit, "
+            "but the account's max_consumers or the server's jetstream default_max_consumers "
+            f"({SERVER_DEFAULT_CONSUMERS} on nats-server 2.15) is reached; raise that limit"
+        )
+    at = f" of {limits[0]}" if limits else ""
     fix = (
         "raise the setting control_max_consumers (MESHFORGE_CONTROL_MAX_CONSUMERS; -1: "
         "unlimited) and run `meshforge provision`"

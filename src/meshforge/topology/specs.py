@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OWNER_GROUP",
+    "SERVER_DEFAULT_CONSUMERS",
+    "UNLIMITED_CONSUMERS",
     "Action",
     "ApplyReport",
     "Change",
@@ -59,6 +61,7 @@ __all__ = [
     "Verification",
     "agent_consumer",
     "agent_durable",
+    "consumer_limit",
     "consumer_replicas",
     "default_streams",
     "js_api",
@@ -114,8 +117,31 @@ class StreamSpec:
             max_age=self.max_age,
             max_bytes=self.max_bytes,
             allow_msg_ttl=self.allow_msg_ttl or None,
-            max_consumers=self.max_consumers,
+            max_consumers=UNLIMITED_CONSUMERS if self.max_consumers < 1 else self.max_consumers,
         )
+
+
+#: What "unlimited" consumers is written as: the largest limit a stream takes. Since
+#: nats-server 2.15 a stream without a limit of its own (0 or -1) gets the server's
+#: ``jetstream.limits.default_max_consumers``, 1000 unless configured: a fleet of nodes
+#: (one consumer each) would stop at the 1,001st without a word in the stream's config.
+UNLIMITED_CONSUMERS = 2**31 - 1
+#: The limit nats-server 2.15+ puts on a stream that sets none (its default_max_consumers).
+SERVER_DEFAULT_CONSUMERS = 1000
+
+
+def consumer_limit(max_consumers: int | None) -> int:
+    """A stream's consumer limit as the server applies it: -1 for unlimited, else the number
+    (a stream that sets none gets nats-server 2.15's default).
+
+    >>> consumer_limit(UNLIMITED_CONSUMERS), consumer_limit(3), consumer_limit(-1)
+    (-1, 3, 1000)
+    """
+    if max_consumers is not None and max_consumers >= UNLIMITED_CONSUMERS:
+        return -1
+    if max_consumers is not None and max_consumers > 0:
+        return max_consumers
+    return SERVER_DEFAULT_CONSUMERS
 
 
 #: The priority group of a partition durable: its one pinned client is the partition's owner.
@@ -541,10 +567,14 @@ def describe_stream(cfg: StreamConfig) -> dict[str, str]:
         "max_age": format_duration(cfg.max_age) if cfg.max_age else "unlimited",
         "max_bytes": str(cfg.max_bytes) if cfg.max_bytes and cfg.max_bytes > 0 else "unlimited",
         "allow_msg_ttl": "yes" if cfg.allow_msg_ttl else "no",
-        "max_consumers": (
-            str(cfg.max_consumers) if cfg.max_consumers and cfg.max_consumers > 0 else "unlimited"
-        ),
+        "max_consumers": _consumers_shown(cfg.max_consumers),
     }
+
+
+def _consumers_shown(max_consumers: int | None) -> str:
+    if not max_consumers or max_consumers < 1:
+        return f"server default ({SERVER_DEFAULT_CONSUMERS} on nats-server 2.15)"
+    return "unlimited" if max_consumers >= UNLIMITED_CONSUMERS else str(max_consumers)
 
 
 def describe_consumer(cfg: ConsumerConfig, stream_replicas: int | None = None) -> dict[str, str]:
