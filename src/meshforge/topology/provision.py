@@ -5,8 +5,10 @@ diff) / unchanged / refused (and why). It refuses what JetStream cannot change i
 (retention, storage, a consumer's ack or deliver policy), a consumer's filter (another
 worker may rely on it), a stream whose subjects overlap
 another stream's (existing or planned, naming both), and a consumer whose filter overlaps
-another consumer's on a work-queue stream. ``apply`` executes a plan with no refusals and,
-if it fails half-way, says exactly what was and was not done. ``ensure`` is both.
+another consumer's on a work-queue stream (a consumer with a literal filter, a node's
+mailbox, is read by name instead of listing them all: the server refuses that overlap).
+``apply`` executes a plan with no refusals and, if it fails half-way, says exactly what
+was and was not done. ``ensure`` is both.
 ``verify`` is for runtimes without JetStream API write permission: it only reads.
 
 Example::
@@ -32,7 +34,6 @@ from nats.js.errors import APIError, NotFoundError
 
 from meshforge.errors import MissingTopology, OverlapError, TopologyError, one_line
 from meshforge.topology.specs import (
-    SERVER_DEFAULT_CONSUMERS,
     Action,
     ApplyReport,
     Change,
@@ -423,11 +424,11 @@ def _limit_reached(spec: ConsumerSpec, planned: Plan) -> str:
         for s in planned.steps
         if isinstance(s.spec, StreamSpec) and s.spec.name == spec.stream
     ]
-    if limits and limits[0] < 1:  # the stream sets none: the account's or the server's
+    if limits and limits[0] < 1:  # unlimited on the stream: the account's limit it is
         return (
-            f"consumer {spec.durable} refused: stream {spec.stream} sets no consumer limit, "
-            "but the account's max_consumers or the server's jetstream default_max_consumers "
-            f"({SERVER_DEFAULT_CONSUMERS} on nats-server 2.15) is reached; raise that limit"
+            f"consumer {spec.durable} refused: stream {spec.stream} takes any number of "
+            "consumers, but the account's JetStream max_consumers is reached; raise it in "
+            "the server's account configuration"
         )
     at = f" of {limits[0]}" if limits else ""
     fix = (
