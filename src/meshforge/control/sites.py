@@ -33,14 +33,12 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     ExternalStream,
-    KeyValueConfig,
-    StorageType,
     StreamConsumerSource,
     StreamSource,
 )
 
 from meshforge.config import Settings, load_settings
-from meshforge.control.jobs import JOBS_BUCKET
+from meshforge.control.jobs import JOBS_BUCKET, jobs_bucket
 from meshforge.control.presence import NODES_BUCKET, nodes_bucket
 from meshforge.errors import ServerError
 from meshforge.topology.provision import ensure
@@ -222,15 +220,6 @@ async def _wire(link: _Source) -> bool:
     return True
 
 
-async def _jobs_bucket(js: JetStreamContext, settings: Settings) -> None:
-    try:
-        await js.key_value(JOBS_BUCKET)
-    except Exception:  # missing: create it (a race with another creator is harmless)
-        config = KeyValueConfig(bucket=JOBS_BUCKET, history=1, storage=StorageType.FILE,
-                                replicas=settings.replicas)  # fmt: skip
-        await js.create_key_value(config)
-
-
 async def link_site(
     site_url: str,
     site: str,
@@ -253,10 +242,10 @@ async def link_site(
         streams = default_streams(settings)
         await ensure(local, streams, [])
         await nodes_bucket(local, create=True, replicas=settings.replicas)
-        await _jobs_bucket(local, settings)
+        await jobs_bucket(local, create=True, replicas=settings.replicas)
         await ensure(hub, streams, [])
         await nodes_bucket(hub, create=True, replicas=settings.replicas)
-        await _jobs_bucket(hub, settings)
+        await jobs_bucket(hub, create=True, replicas=settings.replicas)
         sides = {hub_domain: (hub, f"$JS.{hub_domain}.API"), site: (local, f"$JS.{site}.API")}
         wiring = (
             (hub_domain, STREAM_CONTROL, f"control.cmd.{site}.>", site, STREAM_CONTROL,
