@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from meshforge.errors import (
         ConfigError,
         Expired,
+        InvalidPayload,
         MalformedMessage,
         MeshForgeError,
         PublishError,
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from meshforge.publish.outbox import OutboxRelay
     from meshforge.publish.publisher import Publisher, PublishResult
     from meshforge.publish.sync import SyncPublisher
-    from meshforge.runtime import Agent, Engine, Event, Send, command, replay
+    from meshforge.runtime import Agent, Command, Engine, Event, Send, command, replay
     from meshforge.store import open_store
     from meshforge.topology.provision import ensure, verify
     from meshforge.topology.scope import Scope
@@ -76,12 +77,14 @@ _WHERE = {
     "Rejected": "errors",
     "Retry": "errors",
     "Unrecoverable": "errors",
+    "InvalidPayload": "errors",
     "with_inbox": "consume.inbox",
     "Metrics": "ops.observability",
     "OutboxRelay": "publish.outbox",
     "Publisher": "publish.publisher",
     "PublishResult": "publish.publisher",
     "Agent": "runtime",
+    "Command": "runtime",
     "Engine": "runtime",
     "Event": "runtime",
     "Send": "runtime",
@@ -101,6 +104,7 @@ _WHERE = {
 __all__ = [
     "Action",
     "Agent",
+    "Command",
     "ConfigError",
     "Connection",
     "Consumer",
@@ -113,6 +117,7 @@ __all__ = [
     "Envelope",
     "Event",
     "Expired",
+    "InvalidPayload",
     "MalformedMessage",
     "MeshForgeError",
     "Metrics",

@@ -84,6 +84,11 @@ class Unrecoverable(HandlerError):
     """Retrying cannot help: the message is dead-lettered as ``unrecoverable`` at once."""
 
 
+class InvalidPayload(Unrecoverable):
+    """A payload does not fit the type its command declares: dead-lettered as
+    ``invalid_payload`` at once, its text naming the field path and the expected type."""
+
+
 class Retry(HandlerError):
     """Transient failure: nak the message, redelivered after ``delay`` seconds (or the backoff)."""
 

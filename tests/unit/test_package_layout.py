@@ -12,9 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Every name ``meshforge.X`` offers; a name that disappears breaks users' code.
 PUBLIC = {
-    "Action", "Agent", "ConfigError", "Connection", "Consumer", "ControlClient", "DeadLetters",
+    "Action", "Agent", "Command", "ConfigError", "Connection", "Consumer", "ControlClient", "DeadLetters",
     "Decision", "Delivery", "EmbeddedServer", "Engine", "Envelope", "Event", "Expired",
-    "MalformedMessage", "MeshForgeError", "Metrics", "Node", "NodeRuntime", "Outbound",
+    "InvalidPayload", "MalformedMessage", "MeshForgeError", "Metrics", "Node", "NodeRuntime", "Outbound",
     "OutboxRelay", "PublishError", "PublishResult", "Publisher", "Rejected", "Retry", "Scope",
     "Send", "Settings", "SyncPublisher", "Unrecoverable", "agent_consumer", "command", "connect",
     "dead_letter", "decode", "default_streams", "ensure", "load_settings", "node_consumer",

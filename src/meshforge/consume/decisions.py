@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshforge.deadletters.route import (
     REASON_EXPIRED,
+    REASON_INVALID_PAYLOAD,
     REASON_MALFORMED,
     REASON_MAX_DELIVERIES,
     REASON_REJECTED,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REASON_EXPIRED",
+    "REASON_INVALID_PAYLOAD",
     "REASON_MALFORMED",
     "REASON_MAX_DELIVERIES",
     "REASON_REJECTED",

@@ -12,6 +12,7 @@ which error; the policy answers with a ``Decision``:
 cause              what happened                                  decision
 =================  =============================================  ===========================
 ``HANDLER``        ``MalformedMessage``                           dead letter ``malformed``
+                   ``InvalidPayload`` (not its declared type)     dead letter ``invalid_payload``
                    ``Unrecoverable`` or a configured class        dead letter ``unrecoverable``
                    ``Rejected`` / ``Expired``                     dead letter ``rejected`` /
                                                                   ``expired``
@@ -56,6 +57,7 @@ from enum import Enum
 
 from meshforge.consume.decisions import (
     REASON_EXPIRED,
+    REASON_INVALID_PAYLOAD,
     REASON_MALFORMED,
     REASON_MAX_DELIVERIES,
     REASON_REJECTED,
@@ -66,6 +68,7 @@ from meshforge.consume.decisions import (
 from meshforge.deadletters.route import REASONS
 from meshforge.errors import (
     Expired,
+    InvalidPayload,
     MalformedMessage,
     PublishError,
     Rejected,
@@ -209,6 +212,8 @@ class FailurePolicy:
     def _handler(self, error: BaseException | str | None, attempt: int) -> Decision:
         if isinstance(error, MalformedMessage):
             return _dead(REASON_MALFORMED, error)
+        if isinstance(error, InvalidPayload):
+            return _dead(REASON_INVALID_PAYLOAD, error)
         if isinstance(error, Unrecoverable) or (
             self.unrecoverable and isinstance(error, self.unrecoverable)
         ):

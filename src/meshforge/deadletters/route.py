@@ -94,6 +94,7 @@ REASON_UNRECOVERABLE = "unrecoverable"
 REASON_MAX_DELIVERIES = "max_deliveries"
 REASON_EXPIRED = "expired"
 REASON_REJECTED = "rejected"
+REASON_INVALID_PAYLOAD = "invalid_payload"
 #: Every ``Dlq-Reason`` a dead letter may carry (CONTRACT.md).
 REASONS = (
     REASON_MALFORMED,
@@ -101,6 +102,7 @@ REASONS = (
     REASON_MAX_DELIVERIES,
     REASON_EXPIRED,
     REASON_REJECTED,
+    REASON_INVALID_PAYLOAD,
 )
 ERROR_LIMIT = 1024
 

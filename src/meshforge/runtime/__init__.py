@@ -22,17 +22,20 @@ from typing import Any
 from meshforge.runtime.agent import (
     SINGLETON,
     Agent,
+    Command,
     CommandSpec,
     Event,
     Output,
     Send,
     command,
+    command_for,
     derive_uuid,
 )
 
 __all__ = [
     "SINGLETON",
     "Agent",
+    "Command",
     "CommandSpec",
     "Engine",
     "Event",
@@ -41,6 +44,7 @@ __all__ = [
     "Send",
     "Worker",
     "command",
+    "command_for",
     "derive_uuid",
     "load_agent",
     "replay",

@@ -23,11 +23,19 @@ Example::
             if event.name == "added":
                 return Counter(total=state.total + event.payload["n"])
             return state
+
+A handler may declare its payload type instead (a ``msgspec.Struct``, a dataclass or a
+Pydantic v2 model): ``def place(self, cmd: Command[PlaceOrder], state: Order)``. The
+runtime then decodes and validates the payload once, before the handler, and a payload
+that does not fit is dead-lettered ``invalid_payload``. Events may be typed likewise
+(``Agent.events``): ``apply`` then receives them as their types, live and in replay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import sys
 import typing
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -38,21 +46,25 @@ import msgspec
 
 from meshforge.envelope import Envelope
 from meshforge.errors import ConfigError, Unrecoverable
+from meshforge.runtime import payloads
 from meshforge.store.base import quick_init
 from meshforge.topology.subjects import validate_token
 
 __all__ = [
     "SINGLETON",
     "Agent",
+    "Command",
     "CommandSpec",
     "Event",
     "Output",
     "Send",
     "command",
+    "command_for",
     "derive_uuid",
 ]
 
 S = TypeVar("S")
+P = TypeVar("P")
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Resource key of a command that names none: the agent then keeps one state.
@@ -66,22 +78,50 @@ def derive_uuid(*parts: str) -> str:
     return str(uuid.uuid5(_UUID_NAMESPACE, "/".join(parts)))
 
 
+class Command(Envelope, Generic[P]):
+    """A command whose payload was decoded into its declared type ``P``.
+
+    A handler declares it as its ``cmd`` parameter, ``cmd: Command[PlaceOrder]``; the
+    runtime hands it a ``Command`` whose ``payload`` is a ``PlaceOrder`` (every other
+    field is the envelope's).
+    """
+
+    __slots__ = ()
+    payload: P  # type: ignore[assignment]
+
+    @classmethod
+    def of(cls, env: Envelope, payload: P) -> Command[P]:
+        """``env`` with its payload replaced by the decoded ``payload``."""
+        cmd = cls.__new__(cls)
+        for name in _ENVELOPE_SLOTS:
+            _SET[name](cmd, getattr(env, name))
+        cmd.payload = payload
+        return cmd
+
+
+_ENVELOPE_SLOTS = tuple(f.name for f in dataclasses.fields(Envelope))
+_SET = {name: getattr(Envelope, name).__set__ for name in _ENVELOPE_SLOTS}
+
+
 @quick_init
 @dataclass(frozen=True, slots=True)
 class Event:
     """Something that happened to the resource: ``Event("created", {"order_id": ...})``.
 
     ``name`` is the event verb (a subject token); the wire type is ``<agent>.<name>``.
+    The payload is a dict or, for an event the agent names in ``Agent.events``, an
+    instance of its type (``Event("placed", OrderPlaced(...))``).
     """
 
     name: str
-    payload: Mapping[str, Any] = field(default_factory=dict)
+    payload: Any = field(default_factory=dict)  # a dict, or a typed payload
 
 
 @quick_init
 @dataclass(frozen=True, slots=True)
 class Send:
-    """A command to another agent: ``Send("inventory", "reserve", {...}, resource_id=sku)``.
+    """A command to another agent: ``Send("inventory", "reserve", {...}, resource_id=sku)``,
+    or with a typed payload ``Send.to(InventoryAgent, Reserve(...))``.
 
     Published on ``cmd.<tenant>.<namespace>.<agent>.<command>``; tenant and namespace are
     the causing command's unless given.
@@ -89,10 +129,21 @@ class Send:
 
     agent: str
     command: str
-    payload: Mapping[str, Any] = field(default_factory=dict)
+    payload: Any = field(default_factory=dict)  # a dict, or a typed payload
     resource_id: str | None = None
     tenant: str | None = None
     namespace: str | None = None
+
+    @classmethod
+    def to(
+        cls, agent: type[Agent[Any]], payload: Any, *, resource_id: str | None = None,
+        tenant: str | None = None, namespace: str | None = None,
+    ) -> Send:  # fmt: skip
+        """A command to ``agent`` whose declared payload type is ``type(payload)``: the
+        agent and command names come from its declaration, so the subject cannot be wrong
+        (``ConfigError`` if no command of it, or more than one, takes that type)."""
+        agent_name, command_name = command_for(agent, payload)
+        return cls(agent_name, command_name, payload, resource_id, tenant, namespace)
 
 
 Output: TypeAlias = Event | Send
@@ -103,31 +154,122 @@ KeySpec: TypeAlias = str | Callable[[Envelope], str] | None
 
 @dataclass(frozen=True, slots=True)
 class CommandSpec:
-    """A declared command: its name, the handler, and how its resource key is found."""
+    """A declared command: its name, the handler, how its resource key is found, and its
+    payload type (None: a plain dict, as sent)."""
 
     name: str
     handler: Callable[..., HandlerResult | Awaitable[HandlerResult]]
     key: KeySpec = None
     timeout: float | None = None
+    payload: type | None = None
 
 
-def command(name: str, *, key: KeySpec = None, timeout: float | None = None) -> Callable[[F], F]:
+def command(
+    name: str, *, key: KeySpec = None, timeout: float | None = None, payload: type | None = None
+) -> Callable[[F], F]:
     """Declare the method as the handler of command ``name``.
 
     ``key`` says which resource (and so which state) the command is about: a payload
     field name, a function of the envelope, or None for the envelope's ``resource_id``
     (the agent's ``resource_key`` decides). ``timeout`` (seconds) bounds an ``async def``
-    handler, instead of the agent's ``timeout`` or ``handler_timeout``.
+    handler, instead of the agent's ``timeout`` or ``handler_timeout``. ``payload`` is
+    the payload's type (a ``msgspec.Struct``, a dataclass or a Pydantic v2 model); without
+    it, the handler's ``cmd: Command[P]`` annotation says it, and no annotation means a
+    plain dict.
     """
     validate_token(name, "command name")
     if timeout is not None and not timeout > 0:
         raise ConfigError(f"command {name!r}: timeout must be positive seconds, got {timeout!r}")
+    if payload is not None:
+        payloads.decoder(payload)  # ConfigError now, not at the first command
+    # Where the annotation's names live when the agent is defined inside a function (a
+    # string annotation cannot see that function's locals on its own).
+    frame = sys._getframe(1)
+    scope = {**(frame.f_back.f_locals if frame.f_back else {}), **frame.f_locals}
 
     def mark(fn: F) -> F:
-        fn.__meshforge_command__ = CommandSpec(name, fn, key, timeout)  # type: ignore[attr-defined]
+        spec = CommandSpec(name, fn, key, timeout, payload)
+        fn.__meshforge_command__ = spec  # type: ignore[attr-defined]
+        fn.__meshforge_scope__ = scope  # type: ignore[attr-defined]
         return fn
 
     return mark
+
+
+def _annotated_payload(spec: CommandSpec, owner: type) -> type | None:
+    """The payload type the handler's ``cmd`` parameter declares (``Command[P]``), or None."""
+    fn = spec.handler
+    params = list(inspect.signature(fn).parameters.values())
+    if len(params) < 2:
+        return None
+    hint: Any = params[1].annotation
+    if isinstance(hint, str):
+        where = f"{owner.__qualname__}.{fn.__name__}"
+        scope = {**getattr(fn, "__meshforge_scope__", {}), **vars(owner)}
+        try:
+            hint = eval(hint, fn.__globals__, scope)  # what typing.get_type_hints does
+        except Exception as exc:
+            if "Command[" not in hint:
+                return None  # not a typed command, whatever it names
+            raise ConfigError(
+                f"{where}: cannot resolve the annotation {hint!r} ({exc}); define its payload"
+                f" type where the agent's module sees it, or pass @command(..., payload=...)"
+            ) from None
+    if typing.get_origin(hint) is not Command:
+        return None
+    (arg,) = typing.get_args(hint)
+    if typing.get_origin(arg) in (dict, Mapping) or arg in (dict, Any):
+        return None
+    if not payloads.is_typed(arg):
+        raise ConfigError(
+            f"{owner.__qualname__}.{fn.__name__}: Command[{arg!r}]: a payload type is a"
+            " msgspec.Struct, a dataclass or a Pydantic v2 model"
+        )
+    return cast(type, arg)
+
+
+def _with_payload(spec: CommandSpec, owner: type) -> CommandSpec:
+    """The spec with its payload type settled (given, else inferred) and its key checked."""
+    inferred = _annotated_payload(spec, owner)
+    if spec.payload is not None and inferred is not None and inferred is not spec.payload:
+        raise ConfigError(
+            f"command {spec.name!r}: payload={payloads.type_name(spec.payload)} but the handler"
+            f" declares Command[{payloads.type_name(inferred)}]"
+        )
+    tp = spec.payload or inferred
+    if tp is None:
+        return spec
+    payloads.decoder(tp)
+    if isinstance(spec.key, str) and spec.key not in payloads.field_names(tp):
+        raise ConfigError(
+            f"command {spec.name!r}: key={spec.key!r} is not a field of {payloads.type_name(tp)}"
+            f" (fields: {', '.join(payloads.field_names(tp)) or 'none'})"
+        )
+    return dataclasses.replace(spec, payload=tp)
+
+
+def command_for(agent_cls: type[Agent[Any]] | Agent[Any], payload: Any) -> tuple[str, str]:
+    """``(agent name, command name)`` of the one command of ``agent_cls`` whose declared
+    payload type is ``type(payload)``; ``ConfigError`` if none or several are."""
+    cls = agent_cls if isinstance(agent_cls, type) else type(agent_cls)
+    if not (isinstance(cls, type) and issubclass(cls, Agent)):
+        raise ConfigError(f"{agent_cls!r} is not an Agent class")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str):
+        raise ConfigError(f"agent {cls.__qualname__}: set the class attribute 'name'")
+    tp = type(payload)
+    found = [spec.name for spec in cls._commands.values() if spec.payload is tp]
+    if len(found) != 1:
+        typed = sorted(
+            f"{s.name} ({payloads.type_name(s.payload)})" for s in cls._commands.values()
+            if s.payload is not None
+        )  # fmt: skip
+        how = "no command" if not found else f"{len(found)} commands ({', '.join(sorted(found))})"
+        raise ConfigError(
+            f"agent {name!r}: {how} takes a {payloads.type_name(tp)} payload"
+            f" (typed commands: {', '.join(typed) or 'none'})"
+        )
+    return name, found[0]
 
 
 def _state_type_of(cls: type) -> type | None:
@@ -154,6 +296,9 @@ class Agent(Generic[S]):
     hold_after_dead_letter: ClassVar[bool] = False
     # Seconds an ``async def`` handler of this agent may take (None: ``handler_timeout``).
     timeout: ClassVar[float | None] = None
+    # Event name -> payload type of the agent's typed events: ``apply`` receives their
+    # payloads as these types (live and in replay). Other events' payloads stay dicts.
+    events: ClassVar[Mapping[str, type]] = {}
     _commands: ClassVar[dict[str, CommandSpec]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -166,8 +311,11 @@ class Agent(Generic[S]):
             for attr in vars(klass).values():
                 spec = getattr(attr, "__meshforge_command__", None)
                 if isinstance(spec, CommandSpec):
-                    commands[spec.name] = spec
+                    commands[spec.name] = _with_payload(spec, cls)
         cls._commands = commands
+        for event, tp in cls.events.items():
+            validate_token(event, "event name")
+            payloads.decoder(tp)  # ConfigError if it cannot be a payload type
 
     def __init__(self) -> None:
         cls = type(self)
@@ -180,6 +328,10 @@ class Agent(Generic[S]):
                 f"agent {cls.__qualname__}: give the state type as Agent[State] or 'state_type'"
             )
         self._decoder = msgspec.json.Decoder(cls.state_type)
+        #: Decoders of the typed events' payloads, by event name (empty: all dicts).
+        self.event_decoders: dict[str, payloads.PayloadDecoder[Any]] = {
+            event: payloads.decoder(tp) for event, tp in cls.events.items()
+        }
 
     # ------------------------------------------------------------------ commands
 
@@ -195,10 +347,12 @@ class Agent(Generic[S]):
             return cmd.resource_id or SINGLETON
         if callable(key):
             value: Any = key(cmd)
-        else:
+        elif spec.payload is None:
             if key not in cmd.payload:
                 raise Unrecoverable(f"payload lacks {key!r}, the key of command {spec.name!r}")
             value = cmd.payload[key]
+        else:  # a typed payload: the key is one of its fields (checked at declaration)
+            value = getattr(cmd.payload, key)
         if isinstance(value, bool) or not isinstance(value, str | int) or value == "":
             raise Unrecoverable(
                 f"resource key of command {spec.name!r} must be a non-empty string, got {value!r}"

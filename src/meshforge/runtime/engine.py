@@ -59,12 +59,13 @@ from meshforge.errors import (
 from meshforge.ops.faults import crash_point
 from meshforge.ops.observability import Metrics
 from meshforge.publish.publisher import Publisher
-from meshforge.runtime.agent import Agent, CommandSpec, Event, Output
+from meshforge.runtime import payloads
+from meshforge.runtime.agent import Agent, Command, CommandSpec, Output
 from meshforge.runtime.effects import Conflict, EffectStore, Opened, Plan, Work, drive
 from meshforge.runtime.holds import STOPPED_POLL, Holds, Slot
 from meshforge.runtime.killswitch import KillSwitch
 from meshforge.runtime.marks import PublishedMarks
-from meshforge.runtime.outputs import build_outputs, decode_payload, event_name
+from meshforge.runtime.outputs import build_outputs, stored_event
 from meshforge.runtime.stage import PublishStage
 from meshforge.store.base import Store, StoredOutput
 from meshforge.topology.partitions import partitioned
@@ -404,6 +405,8 @@ class Engine(Generic[S]):
             return forward
         scope = command_scope(delivery.subject, env.tenant_id)
         try:
+            if spec.payload is not None:
+                env = Command.of(env, payloads.decoder(spec.payload).decode_body(delivery.data))
             resource = self.agent.resource_key(env, spec)
         except Exception as exc:
             return self._failure(
@@ -418,6 +421,8 @@ class Engine(Generic[S]):
             spec = self._spec_of(env, subject)
             if spec is None:
                 return None
+            if spec.payload is not None:
+                env = Command.of(env, payloads.decoder(spec.payload).decode_body(data))
             return command_scope(subject, env.tenant_id), self.agent.resource_key(env, spec)
         except Exception:
             return None
@@ -745,8 +750,9 @@ class Engine(Generic[S]):
         for work in plan.done:
             if work.fresh and (work.scope, work.resource) == slot:
                 for event in work.events:
-                    name = event_name(self.agent.name, event.type)
-                    state = self.agent.apply(state, Event(name, decode_payload(event.data)))
+                    state = self.agent.apply(
+                        state, stored_event(self.agent, event.type, event.data)
+                    )
         return state
 
     # ------------------------------------------------------------------ published marks

@@ -20,31 +20,71 @@ from typing import Any, TypeVar
 import msgspec
 
 from meshforge.envelope import Envelope, Outbound, now_ts
+from meshforge.errors import ConfigError, InvalidPayload, Unrecoverable
+from meshforge.runtime import payloads
 from meshforge.runtime.agent import Agent, Event, Output, Send
 from meshforge.store.base import NewEvent, StoredOutput
 from meshforge.topology.partitions import partition_key, partition_subject
 from meshforge.topology.scope import Scope, command_scope
 from meshforge.topology.subjects import command_subject, event_subject
 
-__all__ = ["build_outputs", "decode_payload", "event_name", "normalize_payload", "scope_of"]
+__all__ = [
+    "build_outputs",
+    "canonical_payload",
+    "decode_payload",
+    "event_name",
+    "normalize_payload",
+    "scope_of",
+    "stored_event",
+]
 
 S = TypeVar("S")
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(dict[str, Any])
+_ANY = msgspec.json.Decoder()
 
 
-def normalize_payload(payload: Mapping[str, Any]) -> tuple[bytes, dict[str, Any]]:
-    """The payload as JSON bytes and as the plain dict those bytes decode to.
+def normalize_payload(payload: Mapping[str, Any] | Any) -> tuple[bytes, dict[str, Any]]:
+    """The payload (a dict or a typed payload) as JSON bytes and as the plain dict those
+    bytes decode to.
 
     ``apply`` always sees the decoded form, live and in replay alike, so the two agree.
     """
-    data = _ENCODER.encode(dict(payload))
+    data = _ENCODER.encode(payload) if type(payload) is dict else payloads.encode(payload)
     return data, _DECODER.decode(data)
 
 
 def decode_payload(data: bytes) -> dict[str, Any]:
     """A stored event's payload bytes back as the dict ``apply`` sees."""
     return _DECODER.decode(data)
+
+
+def stored_event(agent: Agent[Any], type_: str, data: bytes) -> Event:
+    """A stored event as ``apply`` sees it: its payload decoded into its type if the agent
+    names one in ``Agent.events`` (else a dict; bytes that are no JSON object, an empty
+    one). An event stored before its type gained a field (with a default) decodes into
+    the newer type; one that does not fit it is a ``ConfigError`` naming the event."""
+    name = event_name(agent.name, type_)
+    typed = agent.event_decoders.get(name) if agent.event_decoders else None
+    if typed is not None:
+        try:
+            return Event(name, typed.decode(data))
+        except InvalidPayload as exc:
+            raise ConfigError(
+                f"stored event {type_!r} does not fit the agent's events[{name!r}] ({exc}); a"
+                " payload type may only gain fields with defaults (docs/AGENTS.md)"
+            ) from None
+    payload = canonical_payload(data)
+    return Event(name, payload)
+
+
+def canonical_payload(data: bytes) -> dict[str, Any]:
+    """Stored payload bytes as a dict (an empty one if they are not a JSON object)."""
+    try:
+        payload = _ANY.decode(data)
+    except msgspec.DecodeError:
+        return {}
+    return payload if isinstance(payload, dict) else {}
 
 
 def scope_of(subject: str, env: Envelope) -> tuple[str, str]:
@@ -80,6 +120,7 @@ def build_outputs(
     stored: list[StoredOutput] = []
     events: list[NewEvent] = []
     ts = cmd.ts or now_ts()  # the children's logical time: one for all of them
+    typed_events = agent.event_decoders
     for position, out in enumerate(outputs):
         data, payload = normalize_payload(out.payload)
         if isinstance(out, Event):
@@ -90,6 +131,12 @@ def build_outputs(
                 resource_type=agent.name, resource_id=resource, tenant_id=tenant, ts=ts,
             )  # fmt: skip
             events.append(NewEvent(msg_id, type_, resource, cmd.id, cmd.key, data, ts))
+            typed = typed_events.get(out.name) if typed_events else None
+            if typed is not None:  # apply sees what replay will decode from ``data``
+                try:
+                    payload = typed.decode(data)
+                except InvalidPayload as exc:
+                    raise Unrecoverable(f"event {type_!r}: {exc}") from None
             # After the message is built: what apply does to the payload stays out of it.
             state = agent.apply(state, Event(out.name, payload))
         elif isinstance(out, Send):

@@ -30,8 +30,8 @@ from typing import Any
 
 import msgspec
 
-from meshforge.runtime.agent import Agent, Event
-from meshforge.runtime.outputs import event_name
+from meshforge.runtime.agent import Agent
+from meshforge.runtime.outputs import stored_event
 from meshforge.store.base import Store, StoredEvent
 from meshforge.topology.scope import DEFAULT_SCOPE, Scope
 
@@ -143,14 +143,7 @@ def replay(
                 key = label(log_scope, resource, named=named)
                 where[key] = (log_scope, resource)
                 state = states[key] if key in states else agent.initial()
-                payload = canonical(event.data)
-                states[key] = agent.apply(
-                    state,
-                    Event(
-                        event_name(agent_name, event.type),
-                        payload if isinstance(payload, dict) else {},
-                    ),
-                )
+                states[key] = agent.apply(state, stored_event(agent, event.type, event.data))
     if agent is None:
         return ReplayResult(agent_name, hasher.events, hasher.resources, hasher.hexdigest())
     rebuilt = {key: agent.encode_state(state) for key, state in states.items()}

@@ -26,7 +26,8 @@ from meshforge.consume.decisions import REASON_MAX_DELIVERIES, REASON_UNRECOVERA
 from meshforge.consume.policy import Cause, Outcome
 from meshforge.envelope import Envelope, decode
 from meshforge.errors import one_line
-from meshforge.runtime.agent import Agent
+from meshforge.runtime import payloads
+from meshforge.runtime.agent import Agent, Command
 from meshforge.runtime.engine import failure_policy
 from meshforge.runtime.outputs import build_outputs
 from meshforge.store.base import StoredOutput
@@ -111,7 +112,7 @@ class AgentHarness(Generic[S]):
         return self.states.get(resource, self.agent.initial())
 
     def send(
-        self, command: str, payload: Mapping[str, Any] | None = None, *,
+        self, command: str, payload: Mapping[str, Any] | Any = None, *,
         envelope: Envelope | None = None, **fields: Any,
     ) -> Sent[S]:  # fmt: skip
         """Handle one command now; ``fields`` go to ``Envelope.new`` (e.g. ``idempotency_key``).
@@ -121,13 +122,13 @@ class AgentHarness(Generic[S]):
         return _run_sync(self.asend(command, payload, envelope=envelope, **fields))
 
     async def asend(
-        self, command: str, payload: Mapping[str, Any] | None = None, *,
+        self, command: str, payload: Mapping[str, Any] | Any = None, *,
         envelope: Envelope | None = None, **fields: Any,
     ) -> Sent[S]:  # fmt: skip
         """``send`` for ``async`` tests."""
         agent = self.agent
         env = envelope or Envelope.new(
-            f"{agent.name}.{command}", dict(payload or {}), tenant_id=self.tenant,
+            f"{agent.name}.{command}", payloads.to_builtins(payload or {}), tenant_id=self.tenant,
             source="test", **fields,
         )  # fmt: skip
         subject = command_subject(self.tenant, self.namespace, agent.name, command)
@@ -146,9 +147,12 @@ class AgentHarness(Generic[S]):
         while True:
             attempt += 1
             try:
-                resource = agent.resource_key(env, spec)
+                cmd = env
+                if spec.payload is not None:
+                    cmd = Command.of(env, payloads.decoder(spec.payload).decode_body(env.encode()))
+                resource = agent.resource_key(cmd, spec)
                 state = self.state(resource)
-                outputs = await agent.handle(spec, env, state)
+                outputs = await agent.handle(spec, cmd, state)
                 new_state, messages, _events = build_outputs(
                     agent, env, resource, subject, outputs, state
                 )
@@ -172,6 +176,8 @@ class AgentHarness(Generic[S]):
     def _resource_quietly(self, env: Envelope, command: str) -> str | None:
         spec = self.agent.commands().get(command)
         try:
+            if spec is not None and spec.payload is not None:
+                env = Command.of(env, payloads.decoder(spec.payload).decode_body(env.encode()))
             return self.agent.resource_key(env, spec) if spec else None
         except Exception:  # the key itself is what failed
             return None
