@@ -73,7 +73,7 @@ SPEC = {
 
 
 def test_init_from_a_spec_generates_its_agents_commands_and_events(tmp_path: Path) -> None:
-    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SPEC, sort_keys=False))
     done = meshforge(tmp_path, "init", "my-shop", "--from", "spec.yaml", "--store", "postgres",
                      "--profile", "compose")  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -220,9 +220,7 @@ def _agent_module(agent: AgentSpec) -> str:
 
 
 def _struct(name: str, doc: str, fields: tuple[FieldSpec, ...]) -> str:
-    lines = "\n".join(
-        f"    {f.name}: {f.type}" + (" = None" if f.optional else "") for f in fields
-    )
+    lines = "\n".join(f"    {f.name}: {f.type}" + (" = None" if f.optional else "") for f in fields)
     return _template("struct.py").substitute(struct=name, doc=doc, fields=lines)
 
 

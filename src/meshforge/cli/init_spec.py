@@ -41,7 +41,9 @@ _RESERVED = frozenset({"apply", "handle", "initial", "commands", "resource_key",
                        "decode_state", "name", "state_type", "unrecoverable", "events",
                        "timeout"})  # fmt: skip
 # A field's type: a JSON scalar, a list of one, either optional.
-_TYPE = re.compile(r"(?P<type>str|int|float|bool|list\[(?:str|int|float|bool)\])(?P<optional> \| None)?")
+_TYPE = re.compile(
+    r"(?P<type>str|int|float|bool|list\[(?:str|int|float|bool)\])(?P<optional> \| None)?"
+)
 
 
 @dataclass(frozen=True, slots=True)
