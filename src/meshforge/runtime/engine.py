@@ -5,8 +5,10 @@ commit stage, which takes all of them that are waiting (up to ``max_batch`` comm
 light load gives small groups, a backlog full ones) into ONE store transaction. It locks
 the resources involved (in sorted order, so workers sharing the consumer cannot
 deadlock), and for each delivery in stream order: a key already processed has its stored
-outputs published again (same ids); a new one runs its handler over the resource's
-evolving state. The group's states, events and outputs commit together; the keys whose
+outputs published again (same ids); a new one runs the handler step over the
+resource's evolving state (``meshforge.runtime.step``: the typed payload decoded, the
+resource key, the handler with its timeout, the outputs and their size checks, the
+failure decision; ``AgentHarness`` runs the same step). The group's states, events and outputs commit together; the keys whose
 outputs the previous groups published are marked in the same transaction. The outputs
 then go to the publish stage (``meshforge.runtime.stage``), which sends groups in commit
 order while the next group already commits; each ``handle`` call returns its decisions
@@ -29,7 +31,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from collections import deque
@@ -41,7 +42,6 @@ from typing import Any, Generic, TypeVar
 from meshforge.config import Settings
 from meshforge.consume.decisions import (
     REASON_MALFORMED,
-    REASON_UNRECOVERABLE,
     Action,
     Decision,
     Delivery,
@@ -49,7 +49,6 @@ from meshforge.consume.decisions import (
 from meshforge.consume.policy import Cause, FailurePolicy, Outcome
 from meshforge.envelope import H_MSG_ID, Envelope, decode, derive_id
 from meshforge.errors import (
-    HandlerTimeout,
     InvalidSubject,
     PublishError,
     StoreError,
@@ -59,18 +58,17 @@ from meshforge.errors import (
 from meshforge.ops.faults import crash_point
 from meshforge.ops.observability import Metrics
 from meshforge.publish.publisher import Publisher
-from meshforge.runtime import payloads
-from meshforge.runtime.agent import Agent, Command, CommandSpec, Output
+from meshforge.runtime.agent import Agent, CommandSpec
 from meshforge.runtime.effects import Conflict, EffectStore, Opened, Plan, Work, drive
 from meshforge.runtime.holds import STOPPED_POLL, Holds, Slot
 from meshforge.runtime.killswitch import KillSwitch
 from meshforge.runtime.marks import PublishedMarks
-from meshforge.runtime.outputs import build_outputs, stored_event
+from meshforge.runtime.outputs import stored_event
 from meshforge.runtime.stage import PublishStage
+from meshforge.runtime.step import Step
 from meshforge.store.base import Store, StoredOutput
 from meshforge.topology.partitions import partitioned
 from meshforge.topology.scope import Scope, command_scope
-from meshforge.transport.sizes import SizeLimits, check_fits
 
 __all__ = ["Engine", "consumer_name", "failure_policy"]
 
@@ -153,9 +151,6 @@ class Engine(Generic[S]):
         label.set_function(lambda: self.holds.held_now()[1])
         #: Opened by an outage of the store (shared by a worker's engines and consumers).
         self.kill_switch = kill_switch or KillSwitch(self.metrics)
-        #: An async handler's limit unless its command or agent has one: it is kept alive
-        #: with in_progress meanwhile, however it compares with the ack wait.
-        self.handler_timeout = handler_timeout or self.settings.handler_timeout
         #: Most commands one transaction takes from the batches waiting for it: under a
         #: backlog several fetches share a commit (fewer syncs, fewer pages written again).
         self.max_batch = _GROUP_BATCHES * self.settings.batch_size
@@ -165,13 +160,14 @@ class Engine(Generic[S]):
         #: what there is: under a light load, groups stay small.)
         self.fetch_size = self.max_batch
         self.max_held = 3 * self.max_batch
-        self._commands = agent.commands()
-        # Plain-function handlers behind the stock Agent.handle run without awaiting anything.
-        stock = type(agent).handle is Agent.handle
-        self._sync_commands = frozenset(
-            name for name, spec in self._commands.items()
-            if stock and not inspect.iscoroutinefunction(spec.handler)
+        #: Decode, key, handler, outputs, sizes, failure decisions: what the harness runs too.
+        self.step = Step(
+            agent, self.policy, handler_timeout=handler_timeout or self.settings.handler_timeout,
+            partitions=self.settings.partitions,
         )  # fmt: skip
+        self._commands = self.step.commands
+        # Plain-function handlers (no awaiting) may run with their transaction in one trip.
+        self._sync_commands = self.step.sync_commands
         # The batch's transaction lives in this one thread from BEGIN to COMMIT.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"meshforge-{agent.name}-store")
         # One transaction at a time; the publish stage keeps their order on the wire.
@@ -186,6 +182,16 @@ class Engine(Generic[S]):
         self._inline_pause = _INLINE_PAUSE
         self._least_age, self._aged_at = float("inf"), time.time()  # see ``_behind``
         self._handlers_took = 0.0  # seconds, the last group's handlers
+
+    @property
+    def handler_timeout(self) -> float:
+        """An async handler's limit unless its command or agent has one: it is kept alive
+        with in_progress meanwhile, however it compares with the ack wait."""
+        return self.step.handler_timeout
+
+    @handler_timeout.setter
+    def handler_timeout(self, seconds: float) -> None:
+        self.step.handler_timeout = seconds
 
     def close(self) -> None:
         """Release the store thread (the store itself belongs to the caller)."""
@@ -395,19 +401,13 @@ class Engine(Generic[S]):
             )
         spec = self._spec_of(env, delivery.subject)
         if spec is None:
-            return self.policy.decide(Outcome(
-                Cause.REFUSED, reason=REASON_UNRECOVERABLE,
-                error=f"unknown command {env.type!r} for agent {self.agent.name!r}"
-                f" (known: {', '.join(sorted(self._commands)) or 'none'})",
-            ))  # fmt: skip
+            return self.step.unknown(env)
         forward = self._to_partition(delivery, env)
         if forward is not None:
             return forward
         scope = command_scope(delivery.subject, env.tenant_id)
         try:
-            if spec.payload is not None:
-                env = Command.of(env, payloads.decoder(spec.payload).decode_body(delivery.data))
-            resource = self.agent.resource_key(env, spec)
+            env, resource = self.step.prepare(spec, env, delivery.data)
         except Exception as exc:
             return self._failure(
                 delivery, exc, self.holds.attempts(scope, env.key, delivery.num_delivered)
@@ -421,9 +421,7 @@ class Engine(Generic[S]):
             spec = self._spec_of(env, subject)
             if spec is None:
                 return None
-            if spec.payload is not None:
-                env = Command.of(env, payloads.decoder(spec.payload).decode_body(data))
-            return command_scope(subject, env.tenant_id), self.agent.resource_key(env, spec)
+            return command_scope(subject, env.tenant_id), self.step.prepare(spec, env, data)[1]
         except Exception:
             return None
 
@@ -649,8 +647,8 @@ class Engine(Generic[S]):
         raw: dict[tuple[Scope, str], bytes | None],
         stored: dict[tuple[Scope, str], list[StoredOutput] | None],
     ) -> Plan:
-        agent = self.agent
         limits = self.publisher.limits()
+        run = self.step.run
         plan = Plan()
         plan.states = states = {r: self._decode(data) for r, data in raw.items()}
         blocked: dict[
@@ -675,31 +673,9 @@ class Engine(Generic[S]):
                          work.scope, d.seq, len(previous))  # fmt: skip
                 continue
             try:
-                outputs: list[Output]
-                if work.spec.name in self._sync_commands:
-                    # Never suspends, so a timer could not interrupt it: spare one per command.
-                    outputs = await agent.handle(work.spec, work.env, states[slot])
-                else:
-                    limit = work.spec.timeout or agent.timeout or self.handler_timeout
-                    timer = asyncio.timeout(limit)
-                    try:
-                        async with timer:
-                            outputs = await agent.handle(work.spec, work.env, states[slot])
-                    except TimeoutError:
-                        if not timer.expired():
-                            raise  # the handler's own
-                        raise self._timed_out(work.spec, limit) from None
-                new_state, work.outputs, work.events = build_outputs(
-                    agent,
-                    work.env,
-                    work.resource,
-                    d.subject,
-                    outputs,
-                    states[slot],
-                    self.settings.partitions,
-                    work.scope,
+                new_state, work.outputs, work.events = await run(
+                    work.spec, work.env, work.resource, d.subject, states[slot], limits, work.scope
                 )
-                self._check_sizes(work.outputs, limits)
             except Exception as exc:
                 # The handler may have changed the state in place: rebuild it.
                 states[slot] = self._rebuild(slot, raw[slot], plan)
@@ -714,32 +690,6 @@ class Engine(Generic[S]):
             stored[(work.scope, work.env.key)] = work.outputs  # a later duplicate re-publishes
             plan.done.append(work)
         return plan
-
-    def _timed_out(self, spec: CommandSpec, limit: float) -> HandlerTimeout:
-        """Which timeout fired, and how to raise it."""
-        if spec.timeout:
-            where = f"@command({spec.name!r}, timeout=...)"
-        elif self.agent.timeout:
-            where = f"{type(self.agent).__name__}.timeout"
-        else:
-            where = "handler_timeout (MESHFORGE_HANDLER_TIMEOUT)"
-        return HandlerTimeout(
-            f"handler {self.agent.name}.{spec.name} timed out after {limit:g}s, the limit of {where};"
-            " raise it there if the handler needs longer"
-        )
-
-    @staticmethod
-    def _check_sizes(outputs: list[StoredOutput], limits: SizeLimits) -> None:
-        """An output the server would refuse could never be published: refuse the command
-        before its effect is stored, instead of storing an effect whose outputs never leave."""
-        for out in outputs:
-            headers = out.headers
-            if headers.get(H_MSG_ID) != out.msg_id:  # as it will be sent
-                headers = {**headers, H_MSG_ID: out.msg_id}
-            try:
-                check_fits(out.subject, out.data, headers, limits)
-            except PublishError as exc:
-                raise Unrecoverable(f"output {out.position}: {exc}") from None
 
     def _decode(self, data: bytes | None) -> S:
         return self.agent.initial() if data is None else self.agent.decode_state(data)
@@ -778,7 +728,7 @@ class Engine(Generic[S]):
     ) -> Decision:
         """The decision for a command whose handler (or key, or transaction) failed with
         ``exc`` on its ``attempts``-th attempt (held deliveries are not attempts)."""
-        decision = self.policy.decide(Outcome(cause, attempts, exc))
+        decision = self.step.decide(exc, attempts, cause)
         if decision.action is not Action.DEAD_LETTER or decision.reason == "max_deliveries":
             log.warning("%s: transient failure of %s (attempt %d): %s", self.consumer,
                         delivery.subject, attempts, one_line(exc))  # fmt: skip

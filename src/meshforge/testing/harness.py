@@ -1,10 +1,12 @@
 """``AgentHarness``: run an agent's commands in-process, as the engine would, with no server.
 
-Each ``send`` goes through the engine's own steps: the resource key (``Agent.resource_key``),
-the handler (``Agent.handle``), the outputs and the new state (``build_outputs``), and the
-failure decision (the engine's failure policy, ``failure_policy``). A repeated
+Each ``send`` goes through the engine's own handler step (``meshforge.runtime.step``):
+the typed payload decoded from the command's bytes and validated, the resource key, the
+handler with its timeout, the outputs and the new state, the size check of every output
+against ``limits``, and the failure decision (the engine's failure policy). A repeated
 idempotency key gets the stored outputs again without running the handler; a transient
 failure is tried again up to ``max_deliver`` times, then dead-lettered, as a worker would.
+The handler gets the resource's state decoded from its stored bytes, as in a worker.
 
 Example::
 
@@ -22,16 +24,16 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from meshforge.consume.decisions import REASON_MAX_DELIVERIES, REASON_UNRECOVERABLE, Action
-from meshforge.consume.policy import Cause, Outcome
-from meshforge.envelope import Envelope, decode
-from meshforge.errors import one_line
+from meshforge.config import Settings
+from meshforge.consume.decisions import REASON_MAX_DELIVERIES, Action, Decision
+from meshforge.envelope import Envelope, Outbound, decode
 from meshforge.runtime import payloads
-from meshforge.runtime.agent import Agent, Command
+from meshforge.runtime.agent import Agent
 from meshforge.runtime.engine import failure_policy
-from meshforge.runtime.outputs import build_outputs
+from meshforge.runtime.step import Step
 from meshforge.store.base import StoredOutput
 from meshforge.topology.subjects import command_subject
+from meshforge.transport.sizes import SizeLimits
 
 __all__ = ["AgentHarness", "HarnessDeadLetter", "Sent"]
 
@@ -90,17 +92,26 @@ class AgentHarness(Generic[S]):
     """One agent, its states, event log and dead letters, all in memory.
 
     ``tenant`` and ``namespace`` make the command subjects; ``max_deliver`` is how many
-    times a transient failure is tried before the dead letter (``Settings().max_deliver``).
+    times a transient failure is tried before the dead letter (``Settings().max_deliver``);
+    ``handler_timeout`` bounds an ``async def`` handler without a timeout of its own
+    (``Settings().handler_timeout``); ``limits`` are the server's message limits (its
+    default ``max_payload``).
     """
 
     def __init__(
         self, agent: Agent[S], *, tenant: str = "default", namespace: str = "test",
-        max_deliver: int = 5,
+        max_deliver: int = 5, handler_timeout: float | None = None,
+        limits: SizeLimits | None = None,
     ) -> None:  # fmt: skip
         self.agent = agent
         self.tenant = tenant
         self.namespace = namespace
         self.max_deliver = max_deliver
+        self.limits = limits or SizeLimits()
+        self.step = Step(
+            agent, failure_policy(agent, max_deliver, ()),
+            handler_timeout=handler_timeout or Settings().handler_timeout,
+        )  # fmt: skip
         self.states: dict[str, S] = {}
         self.events: list[Envelope] = []
         self.published: list[tuple[str, Envelope]] = []
@@ -126,45 +137,36 @@ class AgentHarness(Generic[S]):
         envelope: Envelope | None = None, **fields: Any,
     ) -> Sent[S]:  # fmt: skip
         """``send`` for ``async`` tests."""
-        agent = self.agent
+        agent, step = self.agent, self.step
         env = envelope or Envelope.new(
             f"{agent.name}.{command}", payloads.to_builtins(payload or {}), tenant_id=self.tenant,
             source="test", **fields,
         )  # fmt: skip
         subject = command_subject(self.tenant, self.namespace, agent.name, command)
+        body = Outbound.of(subject, env).data  # the command as a worker receives it
+        spec = step.commands.get(command)
         stored = self._effects.get(env.key)
         if stored is not None:
-            resource = self._resource_quietly(env, command)
+            resource = self._resource_quietly(env, body, command)
             sent: Sent[S] = Sent(env, subject, resource, _messages(stored), duplicate=True)
             sent.state = self.state(resource) if resource is not None else None
             return sent
-        spec = agent.commands().get(command)
         if spec is None:
-            known = ", ".join(sorted(agent.commands())) or "none"
-            error = f"unknown command {env.type!r} for agent {agent.name!r} (known: {known})"
-            return self._dead(Sent(env, subject, None), REASON_UNRECOVERABLE, error)
+            return self._dead(Sent(env, subject, None), step.unknown(env))
         attempt = 0
         while True:
             attempt += 1
             try:
-                cmd = env
-                if spec.payload is not None:
-                    cmd = Command.of(env, payloads.decoder(spec.payload).decode_body(env.encode()))
-                resource = agent.resource_key(cmd, spec)
-                state = self.state(resource)
-                outputs = await agent.handle(spec, cmd, state)
-                new_state, messages, _events = build_outputs(
-                    agent, env, resource, subject, outputs, state
+                cmd, resource = step.prepare(spec, env, body)
+                new_state, messages, _events = await step.run(
+                    spec, cmd, resource, subject, self._load(resource), self.limits
                 )
             except Exception as exc:
-                policy = failure_policy(agent, self.max_deliver, ())
-                decision = policy.decide(Outcome(Cause.HANDLER, attempt, exc))
+                decision = step.decide(exc, attempt)
                 if decision.action is Action.NAK:
                     continue  # a worker would deliver it again after the backoff
-                sent = Sent(env, subject, self._resource_quietly(env, command), deliveries=attempt)
-                return self._dead(
-                    sent, decision.reason or REASON_MAX_DELIVERIES, decision.error or one_line(exc)
-                )
+                resource_ = self._resource_quietly(env, body, command)
+                return self._dead(Sent(env, subject, resource_, deliveries=attempt), decision)
             break
         self.states[resource] = new_state
         self._effects[env.key] = messages
@@ -173,16 +175,23 @@ class AgentHarness(Generic[S]):
         self.events.extend(e for s, e in decoded if s.startswith("evt."))
         return Sent(env, subject, resource, decoded, new_state, deliveries=attempt)
 
-    def _resource_quietly(self, env: Envelope, command: str) -> str | None:
-        spec = self.agent.commands().get(command)
+    def _load(self, resource: str) -> S:
+        """The resource's state as a worker reads it: decoded from its stored bytes (a
+        handler that changes it in place and then fails changes nothing)."""
+        if resource not in self.states:
+            return self.agent.initial()
+        return self.agent.decode_state(self.agent.encode_state(self.states[resource]))
+
+    def _resource_quietly(self, env: Envelope, body: bytes, command: str) -> str | None:
+        spec = self.step.commands.get(command)
         try:
-            if spec is not None and spec.payload is not None:
-                env = Command.of(env, payloads.decoder(spec.payload).decode_body(env.encode()))
-            return self.agent.resource_key(env, spec) if spec else None
-        except Exception:  # the key itself is what failed
+            return self.step.prepare(spec, env, body)[1] if spec else None
+        except Exception:  # the payload or the key itself is what failed
             return None
 
-    def _dead(self, sent: Sent[S], reason: str, error: str) -> Sent[S]:
+    def _dead(self, sent: Sent[S], decision: Decision) -> Sent[S]:
+        reason = decision.reason or REASON_MAX_DELIVERIES
+        error = decision.error or f"dead-lettered as {reason}"
         letter = HarnessDeadLetter(
             f"failed.{sent.subject}", sent.command, reason, error, sent.deliveries
         )
