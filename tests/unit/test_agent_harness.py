@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -93,3 +94,35 @@ async def test_works_from_async_tests_too(agent_harness: Harness) -> None:
     h = agent_harness(OrderAgent())
     assert h.send("create", {"sku": "A-1", "qty": 1}).event_types == ["order.created"]
     assert (await h.asend("get", {"order_id": "missing"})).event_types == ["order.not_found"]
+
+
+class _Slow(Agent[_Count]):
+    """An async handler that never ends unless its timeout ends it; or one huge event."""
+
+    name = "slow"
+
+    @command("wait", timeout=0.2)
+    async def wait(self, cmd: Envelope, state: _Count) -> list[Event]:
+        await asyncio.Event().wait()
+        return []
+
+    @command("huge")
+    def huge(self, cmd: Envelope, state: _Count) -> list[Event]:
+        return [Event("big", {"pad": "x" * 2_000_000})]
+
+
+def test_the_harness_applies_the_handler_timeout_as_a_worker_does(agent_harness: Harness) -> None:
+    sent = agent_harness(_Slow(), max_deliver=2).send("wait")
+    assert sent.dead_letter is not None and sent.dead_letter.reason == "max_deliveries"
+    assert sent.dead_letter.deliveries == 2
+    assert "HandlerTimeout: handler slow.wait timed out after 0.2s" in sent.dead_letter.error
+
+
+def test_an_output_the_server_would_refuse_is_a_dead_letter_in_the_harness_too(
+    agent_harness: Harness,
+) -> None:
+    h = agent_harness(_Slow())
+    sent = h.send("huge")
+    assert sent.dead_letter is not None and sent.dead_letter.reason == "unrecoverable"
+    assert "over the server's max_payload of 1048576 bytes" in sent.dead_letter.error
+    assert sent.events == [] and h.events == []

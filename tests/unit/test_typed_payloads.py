@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshforge import Command, ConfigError, InvalidPayload
+from meshforge.console.letters import REASONS as console_reasons
 from meshforge.consume.decisions import REASON_INVALID_PAYLOAD, Action
 from meshforge.consume.policy import Cause, FailurePolicy, Outcome
 from meshforge.deadletters.route import REASONS
@@ -174,6 +175,7 @@ def test_a_payload_that_does_not_fit_is_an_invalid_payload_dead_letter(
 
 def test_invalid_payload_is_a_contract_reason_and_never_retried() -> None:
     assert REASON_INVALID_PAYLOAD in REASONS
+    assert console_reasons == REASONS  # the console's dead-letter filter offers it too
     policy = FailurePolicy(max_deliver=5, backoff=(1.0,))
     decision = policy.decide(Outcome(Cause.HANDLER, 1, InvalidPayload("at `$.qty`")))
     assert decision.action is Action.DEAD_LETTER and decision.reason == "invalid_payload"
@@ -264,3 +266,55 @@ def test_decoding_either_fits_exactly_or_says_where_it_does_not(
         assert "- at `$." in str(exc) and "$.payload" not in str(exc)
     else:
         assert fits and value == PlaceOrder(order_id, qty, note)  # type: ignore[arg-type]
+
+
+def test_a_command_is_the_envelope_with_its_payload_decoded_and_the_envelope_untouched() -> None:
+    env = Envelope.new(
+        "order.place", {"order_id": "o-1", "qty": 1}, resource_id="o-1", deadline_ts=None,
+        extra={"x-custom": 1},
+    )  # fmt: skip
+    cmd = Command.of(env, PlaceOrder("o-1", 1))
+    assert isinstance(cmd, Envelope) and type(env) is Envelope
+    for f in dataclasses.fields(Envelope):
+        if f.name != "payload":
+            assert getattr(cmd, f.name) == getattr(env, f.name), f.name
+    assert cmd.payload == PlaceOrder("o-1", 1)
+    assert env.payload == {"order_id": "o-1", "qty": 1}
+    assert cmd.key == env.key
+
+
+@dataclasses.dataclass
+class Shipped:
+    carrier: str
+    parcels: int = 1
+
+
+class Paid(pydantic.BaseModel):
+    amount: int
+
+
+class Ledger(msgspec.Struct):
+    log: list[str] = msgspec.field(default_factory=list)
+
+
+class Fulfilment(Agent[Ledger]):
+    name = "fulfil"
+    events = {"shipped": Shipped, "paid": Paid}
+
+    @command("ship")
+    def ship(self, cmd: Envelope, state: Ledger) -> list[Output]:
+        return [Event("shipped", Shipped("post")), Event("paid", Paid(amount=3))]
+
+    def apply(self, state: Ledger, event: Event) -> Ledger:
+        payload = event.payload
+        if isinstance(payload, Shipped):
+            return Ledger([*state.log, f"{payload.carrier}x{payload.parcels}"])
+        assert isinstance(payload, Paid)
+        return Ledger([*state.log, f"paid {payload.amount}"])
+
+
+def test_dataclass_and_pydantic_events_reach_apply_as_their_types() -> None:
+    h = AgentHarness(Fulfilment())
+    sent = h.send("ship")
+    assert [e.payload for e in sent.events] == [{"carrier": "post", "parcels": 1}, {"amount": 3}]
+    assert h.state("_") == Ledger(["postx1", "paid 3"])

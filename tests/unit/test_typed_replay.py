@@ -17,9 +17,8 @@ from meshforge.envelope import Envelope
 from meshforge.errors import ConfigError
 from meshforge.runtime import payloads
 from meshforge.runtime.agent import Agent, Command, Event, Output, command
-from meshforge.runtime.engine import failure_policy
 from meshforge.runtime.replay import replay
-from meshforge.runtime.step import Step
+from meshforge.runtime.step import Step, failure_policy
 from meshforge.store import Store, open_store
 from meshforge.store.logtail import append_with_states
 from meshforge.topology.scope import DEFAULT_SCOPE

@@ -17,7 +17,7 @@ from meshforge.console import params
 from meshforge.console.auth import User, audit
 from meshforge.console.status import scope_filter
 from meshforge.console.web import Console, action, console_of, flash, page, render, see_other
-from meshforge.deadletters.route import DeadLetter
+from meshforge.deadletters.route import REASONS, DeadLetter
 from meshforge.deadletters.show import (
     SHOW_BYTES,
     SHOW_HEADER_VALUE,
@@ -32,7 +32,6 @@ from meshforge.topology.subjects import DEAD_LETTER_PREFIX, matches, validate_su
 __all__ = ["routes"]
 
 PAGE_SIZE = 50
-REASONS = ("malformed", "unrecoverable", "max_deliveries", "expired", "rejected")
 
 
 def dead_letter_filter(console: Console, subject: str | None) -> str | None:

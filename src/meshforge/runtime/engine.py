@@ -8,8 +8,9 @@ deadlock), and for each delivery in stream order: a key already processed has it
 outputs published again (same ids); a new one runs the handler step over the
 resource's evolving state (``meshforge.runtime.step``: the typed payload decoded, the
 resource key, the handler with its timeout, the outputs and their size checks, the
-failure decision; ``AgentHarness`` runs the same step). The group's states, events and outputs commit together; the keys whose
-outputs the previous groups published are marked in the same transaction. The outputs
+failure decision; ``AgentHarness`` runs the same step). The group's states, events and
+outputs commit together; the keys whose outputs the previous groups published are
+marked in the same transaction. The outputs
 then go to the publish stage (``meshforge.runtime.stage``), which sends groups in commit
 order while the next group already commits; each ``handle`` call returns its decisions
 once its outputs are out, and the consumer acks. A crash anywhere before the ack ends in
@@ -46,13 +47,11 @@ from meshforge.consume.decisions import (
     Decision,
     Delivery,
 )
-from meshforge.consume.policy import Cause, FailurePolicy, Outcome
+from meshforge.consume.policy import Cause, Outcome
 from meshforge.envelope import H_MSG_ID, Envelope, decode, derive_id
 from meshforge.errors import (
-    InvalidSubject,
     PublishError,
     StoreError,
-    Unrecoverable,
     one_line,
 )
 from meshforge.ops.faults import crash_point
@@ -65,7 +64,7 @@ from meshforge.runtime.killswitch import KillSwitch
 from meshforge.runtime.marks import PublishedMarks
 from meshforge.runtime.outputs import stored_event
 from meshforge.runtime.stage import PublishStage
-from meshforge.runtime.step import Step
+from meshforge.runtime.step import Step, failure_policy
 from meshforge.store.base import Store, StoredOutput
 from meshforge.topology.partitions import partitioned
 from meshforge.topology.scope import Scope, command_scope
@@ -76,10 +75,6 @@ log = logging.getLogger("meshforge.engine")
 S = TypeVar("S")
 T = TypeVar("T")
 
-# Errors that say "this command can never succeed": dead letter, never retry.
-_UNRECOVERABLE: tuple[type[BaseException], ...] = (
-    Unrecoverable, ValueError, KeyError, TypeError, IndexError, InvalidSubject,
-)  # fmt: skip
 # A batch whose effect key another worker committed meanwhile is simply run again.
 _BATCH_ATTEMPTS = 4
 _MARK_IDLE = 1.0  # seconds without a commit before published marks get their own
@@ -96,17 +91,6 @@ _INLINE_LAG = 0.003
 def consumer_name(agent: str) -> str:
     """The durable consumer of an agent, which also names its effects in the store."""
     return f"{agent}_consumer"
-
-
-def failure_policy(
-    agent: Agent[Any], max_deliver: int, backoff: tuple[float, ...]
-) -> FailurePolicy:
-    """An agent's failure policy: the engine's unrecoverable errors and the agent's own,
-    and a stop behind each dead letter if the agent asks for it."""
-    return FailurePolicy(
-        max_deliver=max_deliver, backoff=backoff, unrecoverable=_UNRECOVERABLE + agent.unrecoverable,
-        stop_after_dead_letter=agent.hold_after_dead_letter,
-    )  # fmt: skip
 
 
 @dataclass(slots=True)

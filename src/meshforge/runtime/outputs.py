@@ -30,8 +30,6 @@ from meshforge.topology.subjects import command_subject, event_subject
 
 __all__ = [
     "build_outputs",
-    "canonical_payload",
-    "decode_payload",
     "event_name",
     "normalize_payload",
     "scope_of",
@@ -54,11 +52,6 @@ def normalize_payload(payload: Mapping[str, Any] | Any) -> tuple[bytes, dict[str
     return data, _DECODER.decode(data)
 
 
-def decode_payload(data: bytes) -> dict[str, Any]:
-    """A stored event's payload bytes back as the dict ``apply`` sees."""
-    return _DECODER.decode(data)
-
-
 def stored_event(agent: Agent[Any], type_: str, data: bytes) -> Event:
     """A stored event as ``apply`` sees it: its payload decoded into its type if the agent
     names one in ``Agent.events`` (else a dict; bytes that are no JSON object, an empty
@@ -74,17 +67,11 @@ def stored_event(agent: Agent[Any], type_: str, data: bytes) -> Event:
                 f"stored event {type_!r} does not fit the agent's events[{name!r}] ({exc}); a"
                 " payload type may only gain fields with defaults (docs/AGENTS.md)"
             ) from None
-    payload = canonical_payload(data)
-    return Event(name, payload)
-
-
-def canonical_payload(data: bytes) -> dict[str, Any]:
-    """Stored payload bytes as a dict (an empty one if they are not a JSON object)."""
     try:
         payload = _ANY.decode(data)
     except msgspec.DecodeError:
-        return {}
-    return payload if isinstance(payload, dict) else {}
+        payload = None
+    return Event(name, payload if isinstance(payload, dict) else {})
 
 
 def scope_of(subject: str, env: Envelope) -> tuple[str, str]:

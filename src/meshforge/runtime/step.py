@@ -10,7 +10,8 @@ step, so a test that passes in the harness passes in a worker:
    command's, else the agent's, else ``handler_timeout``), then the outputs and the new
    state (``build_outputs``), then the size check of every output (one the server would
    refuse makes the command unrecoverable before its effect is stored);
-3. ``decide``: what a failure of either becomes (the agent's failure policy).
+3. ``decide``: what a failure of either becomes (the agent's failure policy,
+   ``failure_policy``: the errors that can never succeed, the agent's own among them).
 
 What the step leaves to its callers: where the state comes from and where the outputs
 go (the engine: a store transaction, grouping, holds and retries; the harness: memory).
@@ -29,12 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from meshforge.consume.decisions import REASON_UNRECOVERABLE, Decision
 from meshforge.consume.policy import Cause, FailurePolicy, Outcome
 from meshforge.envelope import H_MSG_ID, Envelope
-from meshforge.errors import HandlerTimeout, PublishError, Unrecoverable
+from meshforge.errors import HandlerTimeout, InvalidSubject, PublishError, Unrecoverable
 from meshforge.runtime import payloads
 from meshforge.runtime.agent import Agent, Command, CommandSpec, Output
 from meshforge.runtime.outputs import build_outputs
@@ -42,11 +43,26 @@ from meshforge.store.base import NewEvent, StoredOutput
 from meshforge.topology.scope import Scope
 from meshforge.transport.sizes import SizeLimits, check_fits
 
-__all__ = ["Ran", "Step", "check_sizes"]
+__all__ = ["Ran", "Step", "check_sizes", "failure_policy"]
 
 S = TypeVar("S")
 #: What ``Step.run`` gives: the new state, the messages to store and publish, the events.
 Ran = tuple[S, list[StoredOutput], list[NewEvent]]
+# Errors that say "this command can never succeed": dead letter, never retry.
+_UNRECOVERABLE: tuple[type[BaseException], ...] = (
+    Unrecoverable, ValueError, KeyError, TypeError, IndexError, InvalidSubject,
+)  # fmt: skip
+
+
+def failure_policy(
+    agent: Agent[Any], max_deliver: int, backoff: tuple[float, ...]
+) -> FailurePolicy:
+    """An agent's failure policy: the engine's unrecoverable errors and the agent's own,
+    and a stop behind each dead letter if the agent asks for it."""
+    return FailurePolicy(
+        max_deliver=max_deliver, backoff=backoff, unrecoverable=_UNRECOVERABLE + agent.unrecoverable,
+        stop_after_dead_letter=agent.hold_after_dead_letter,
+    )  # fmt: skip
 
 
 class Step(Generic[S]):

@@ -29,8 +29,7 @@ from meshforge.consume.decisions import REASON_MAX_DELIVERIES, Action, Decision
 from meshforge.envelope import Envelope, Outbound, decode
 from meshforge.runtime import payloads
 from meshforge.runtime.agent import Agent
-from meshforge.runtime.engine import failure_policy
-from meshforge.runtime.step import Step
+from meshforge.runtime.step import Step, failure_policy
 from meshforge.store.base import StoredOutput
 from meshforge.topology.subjects import command_subject
 from meshforge.transport.sizes import SizeLimits
@@ -126,7 +125,9 @@ class AgentHarness(Generic[S]):
         self, command: str, payload: Mapping[str, Any] | Any = None, *,
         envelope: Envelope | None = None, **fields: Any,
     ) -> Sent[S]:  # fmt: skip
-        """Handle one command now; ``fields`` go to ``Envelope.new`` (e.g. ``idempotency_key``).
+        """Handle one command now; ``payload`` is a dict or a typed payload (sent as its
+        fields, as a publisher would); ``fields`` go to ``Envelope.new`` (e.g.
+        ``idempotency_key``).
 
         Usable from plain and from ``async`` tests (then it runs on a helper thread).
         """
