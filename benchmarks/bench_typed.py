@@ -48,8 +48,7 @@ from meshforge.envelope import Outbound, decode
 from meshforge.publish.publisher import Publisher
 from meshforge.runtime import payloads
 from meshforge.runtime.agent import Agent, Command
-from meshforge.runtime.engine import failure_policy
-from meshforge.runtime.step import Step
+from meshforge.runtime.step import Step, failure_policy
 from meshforge.transport.sizes import SizeLimits
 
 FLOOR = 0.95
