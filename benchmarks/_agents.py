@@ -2,8 +2,9 @@
 one variant, its process, and a tap that times every output as it arrives.
 
 Variants: ``mf`` (``meshforge run _variants:EchoAgent``, SQLite store; ``mf-uvloop`` the
-same on uvloop's event loop; ``mf-os`` the same with ``durability = os``), ``pg`` (the same on a PostgreSQL store: a database made for
-the run on ``PG_ADMIN``, dropped after), ``raw`` and ``raw-serial`` (plain nats-py loops)
+same on uvloop's event loop; ``mf-os`` the same with ``durability = os``; ``mf-checked``
+and ``mf-typed`` the agent checking its payload by hand or by its declared type), ``pg``
+(the same on a PostgreSQL store: a database made for the run on ``PG_ADMIN``, dropped after), ``raw`` and ``raw-serial`` (plain nats-py loops)
 and ``fs``, ``fs-workers`` (FastStream), each one OS process; see ``_variants.py``.
 """
 
@@ -40,6 +41,8 @@ from _variants import DURABLE, FS_WORKERS, LANES, STREAM_IN, STREAM_OUT  # noqa:
 PG_ADMIN = os.environ.get("MESHFORGE_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 LABELS = {
     "mf": "MeshForge agent (exactly once, SQLite)",
+    "mf-checked": "MeshForge agent, dict payload checked by hand",
+    "mf-typed": "MeshForge agent, payload declared as a Struct",
     "mf-uvloop": "MeshForge agent (SQLite) on uvloop",
     "mf-os": "MeshForge agent (SQLite), durability = os",
     "pg": "MeshForge agent (exactly once, PostgreSQL)",
@@ -50,7 +53,9 @@ LABELS = {
 }
 # The baselines a floor compares with: the faster of each family in the same run.
 BARE_LOOPS, FASTSTREAMS = ("raw", "raw-serial"), ("fs", "fs-workers")
-OUR = {"mf", "pg", "mf-uvloop", "mf-os"}
+OUR = {"mf", "pg", "mf-uvloop", "mf-os", "mf-checked", "mf-typed"}
+# The agent class each of ours runs (in _variants.py).
+AGENT_OF = {"mf-checked": "CheckedEchoAgent", "mf-typed": "TypedEchoAgent"}
 OUTPUT_STREAMS = {k: STREAM_EVENTS if k in OUR else STREAM_OUT for k in LABELS}
 SUBJECTS = {
     k: ("cmd.default.bench.echo.work", "evt.default.bench.echo.worked")
@@ -156,9 +161,8 @@ class Bench:
         if self.kind in OUR:
             env["MESHFORGE_LOG_LEVEL"] = "WARNING"
             store = self.store_url or f"sqlite:///{self.work / 'store.db'}"
-            args = meshforge_command(
-                "run", "_variants:EchoAgent", "--store", store, "--nats-url", self.server.url
-            )
+            agent = f"_variants:{AGENT_OF.get(self.kind, 'EchoAgent')}"
+            args = meshforge_command("run", agent, "--store", store, "--nats-url", self.server.url)
             if self.kind == "mf-os":  # commits synced at checkpoints (docs/STORE.md)
                 env["MESHFORGE_DURABILITY"] = "os"
             if self.kind == "mf-uvloop":  # its event-loop policy, which asyncio.run follows

@@ -2,6 +2,8 @@
 
 - ``EchoAgent``: a MeshForge agent (``meshforge run _variants:EchoAgent``): one event out
   per command, keyed by the command's ``id`` (exactly once, SQLite store).
+- ``CheckedEchoAgent`` and ``TypedEchoAgent``: the same agent checking its payload, by hand
+  on the dict or by declaring it as ``Work`` (``bench_typed.py`` compares the two).
 - ``raw``: the strongest plain nats-py loop: ``LANES`` pull lanes on one durable, each
   ``fetch(256)``, decode, build the output, ``publish_async`` each, wait for the
   PubAcks, ack each; while one lane waits for its PubAcks the other fetches. No store.
@@ -27,14 +29,15 @@ import json
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import nats
 from nats.errors import TimeoutError as NatsTimeout
 
 from meshforge.envelope import Envelope
-from meshforge.runtime import Agent, Event, Output, command
+from meshforge.errors import Unrecoverable
+from meshforge.runtime import Agent, Command, Event, Output, command
 
 FETCH = 256
 LANES = 2
@@ -62,6 +65,52 @@ class EchoAgent(Agent[Echo]):
     def work(self, cmd: Envelope, state: Echo) -> list[Output]:
         p = cmd.payload
         return [Event("worked", {"id": p["id"], "n": len(p["blob"]), "t": p.get("t", 0)})]
+
+    def apply(self, state: Echo, event: Event) -> Echo:
+        return Echo(seen=state.seen + 1)
+
+
+class Work(msgspec.Struct, frozen=True):
+    """``echo.work``'s payload as a declared type: what ``CheckedEchoAgent`` checks by hand."""
+
+    id: Annotated[str, msgspec.Meta(min_length=1)]
+    blob: str
+    t: float = 0.0
+
+
+class CheckedEchoAgent(Agent[Echo]):
+    """``EchoAgent`` with its payload checked by hand, as a dict handler must: the same
+    checks ``Work`` declares, the same errors (unrecoverable), the same output."""
+
+    name = "echo"
+
+    @command("work", key="id")
+    def work(self, cmd: Envelope, state: Echo) -> list[Output]:
+        p = cmd.payload
+        id_, blob, t = p.get("id"), p.get("blob"), p.get("t", 0.0)
+        if not isinstance(id_, str) or not id_:
+            raise Unrecoverable(
+                f"invalid echo.work payload: 'id' must be a non-empty string, got {id_!r}"
+            )
+        if not isinstance(blob, str):
+            raise Unrecoverable(f"invalid echo.work payload: 'blob' must be a string, got {blob!r}")
+        if isinstance(t, bool) or not isinstance(t, int | float):
+            raise Unrecoverable(f"invalid echo.work payload: 't' must be a number, got {t!r}")
+        return [Event("worked", {"id": id_, "n": len(blob), "t": t})]
+
+    def apply(self, state: Echo, event: Event) -> Echo:
+        return Echo(seen=state.seen + 1)
+
+
+class TypedEchoAgent(Agent[Echo]):
+    """``EchoAgent`` with its payload declared: decoded and checked before the handler."""
+
+    name = "echo"
+
+    @command("work", key="id")
+    def work(self, cmd: Command[Work], state: Echo) -> list[Output]:
+        p = cmd.payload
+        return [Event("worked", {"id": p.id, "n": len(p.blob), "t": p.t})]
 
     def apply(self, state: Echo, event: Event) -> Echo:
         return Echo(seen=state.seen + 1)

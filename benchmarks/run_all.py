@@ -3,7 +3,7 @@
 Each ``bench_*.py`` starts its own embedded nats-server, measures MeshForge against a
 baseline in the same run and prints its figures; a script prints each floor it measures
 as an ``@floor`` line (see ``_floors.py``), and this runner collects them into one
-table at the end, S0 and F1 to F7, with a row for every floor no script reported. A
+table at the end, S0, F1 to F7, C1, T1 and T2, with a row for every floor no script reported. A
 script that fails is not run again: its floors show as FAILED in the table (with its
 exit status), the others still run, and the exit status says so.
 
@@ -44,6 +44,11 @@ FLOORS = {
     "F6": ("worker RSS draining commands (<= 150 MB and flat)", "rss"),
     "F7": ("store bytes per command after retention (reported; flat)", "storage"),
     "C1": ("console dead-letter list with 1,000,000 letters stored (< 1 s)", "console"),
+    "T1": (
+        "typed payload vs dict checked by hand: the handler step, CPU a delivery (>= 0.95x)",
+        "typed",
+    ),
+    "T2": ("the same through a worker draining a backlog, its CPU a command (>= 0.95x)", "typed"),
 }
 
 

@@ -108,3 +108,22 @@ async def test_each_baseline_drains_a_backlog(kind: str, tmp_path: Path) -> None
         assert last >= first
         info = await b.nc.jetstream().consumer_info("BENCH_IN", "bench")
         assert info.num_pending == 0
+
+
+async def test_the_typed_payload_benchmark_prints_both_floors(tmp_path: Path) -> None:
+    done = await asyncio.create_subprocess_exec(
+        sys.executable, str(BENCH / "bench_typed.py"), "--n", "300", "--rounds", "1",
+        "--step-n", "200", "--step-rounds", "3",
+        env=bench_env(), cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(done.communicate(), 240)
+    text = out.decode()
+    assert done.returncode == 0, text[-3000:]
+    floors = [
+        json.loads(line[len("@floor ") :])
+        for line in text.splitlines()
+        if line.startswith("@floor ")
+    ]
+    assert [f["id"] for f in floors] == ["T1", "T2"], text[-3000:]
+    assert all(f["target"] == ">= 0.95x" and f["value"].endswith("x") for f in floors)
+    assert "typed: Command.of" in text and "MeshForge agent, payload declared as a Struct" in text

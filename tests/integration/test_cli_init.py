@@ -53,31 +53,45 @@ def test_init_writes_a_project_whose_own_tests_pass(tmp_path: Path) -> None:
     assert settings.store_url == "sqlite:///.meshforge/store.db" and settings.nats_url is None
     tests = project_tests(project)
     assert tests.returncode == 0, tests.stdout + tests.stderr
-    assert "3 passed" in tests.stdout
+    # The command, its missing key, a field of the wrong type, and the live worker.
+    assert "4 passed" in tests.stdout
 
 
 SPEC = {
     "agents": [
         {"name": "order", "commands": [
-            {"name": "create", "events": ["created"]},
+            {"name": "create", "fields": {"sku": "str", "qty": "int", "tags": "list[str] | None"},
+             "events": ["created"]},
             {"name": "cancel", "events": ["cancel_requested", "cancelled"]},
         ]},
-        {"name": "payment", "key": "payment_ref", "commands": [{"name": "capture", "events": ["captured"]}]},
+        {"name": "payment", "key": "payment_ref", "commands": [
+            {"name": "capture", "fields": {"payment_ref": "int", "amount": "float", "card": "bool"},
+             "events": ["captured"]},
+        ]},
     ]
 }  # fmt: skip
 
 
 def test_init_from_a_spec_generates_its_agents_commands_and_events(tmp_path: Path) -> None:
-    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SPEC, sort_keys=False))
     done = meshforge(tmp_path, "init", "my-shop", "--from", "spec.yaml", "--store", "postgres",
                      "--profile", "compose")  # fmt: skip
     assert done.returncode == 0, done.stderr
     project = tmp_path / "my-shop"
     order = (project / "my_shop" / "order.py").read_text()
     assert '@command("cancel", key="order_id")' in order and 'Event("cancelled"' in order
+    # Typed payloads: a Struct per command and per event, from the spec's fields.
     assert (
-        '@command("capture", key="payment_ref")' in (project / "my_shop" / "payment.py").read_text()
-    )
+        "class CreateOrder(msgspec.Struct, frozen=True, kw_only=True):\n"
+        '    """The payload of ``order.create``."""\n\n'
+        "    order_id: str\n    sku: str\n    qty: int\n    tags: list[str] | None = None\n"
+    ) in order
+    assert "def create(self, cmd: Command[CreateOrder], state: OrderState)" in order
+    assert "class OrderCancelRequested(msgspec.Struct, frozen=True, kw_only=True):" in order
+    assert 'Event("cancelled", OrderCancelled(order_id=p.order_id)),' in order
+    payment = (project / "my_shop" / "payment.py").read_text()
+    assert '@command("capture", key="payment_ref")' in payment
+    assert "    payment_ref: int\n    amount: float\n    card: bool\n" in payment
     compose = yaml.safe_load((project / "compose.yaml").read_text())
     assert compose["services"]["postgres"]["environment"]["POSTGRES_DB"] == "my_shop"
     settings = load_settings(env={}, config_file=project / "meshforge.toml")
@@ -90,8 +104,8 @@ def test_init_from_a_spec_generates_its_agents_commands_and_events(tmp_path: Pat
     ]
     tests = project_tests(project)
     assert tests.returncode == 0, tests.stdout + tests.stderr
-    # Per agent: one test per command, the missing key, and the live worker.
-    assert "7 passed" in tests.stdout
+    # Per agent: one test per command, the missing key, a wrong type, and the live worker.
+    assert "9 passed" in tests.stdout
 
 
 def test_init_refuses_a_directory_that_is_not_empty(tmp_path: Path) -> None:
@@ -120,6 +134,16 @@ def test_init_refuses_a_directory_that_is_not_empty(tmp_path: Path) -> None:
         ("agents:\n  - name: a\n    commands: [{name: c, events: [e, e]}]\n",
          "spec.yaml: agents[0].commands[0].events: event 'e' appears twice"),
         ("agents: [name: x\n", "spec.yaml: invalid YAML at line 2: expected ',' or ']', but got '<stream end>'"),
+        ("agents:\n  - name: a\n    commands: [{name: c, events: [e], fields: {qty: integer}}]\n",
+         "spec.yaml: agents[0].commands[0].fields.qty: expected str, int, float, bool or list[...] of one, optionally '| None', got 'integer'"),
+        ("agents:\n  - name: a\n    commands: [{name: c, events: [e], fields: [qty]}]\n",
+         "spec.yaml: agents[0].commands[0].fields: expected a mapping of field name to type, got list ['qty']"),
+        ("agents:\n  - name: a\n    commands: [{name: c, events: [e], fields: {a_id: float}}]\n",
+         "spec.yaml: agents[0].commands[0].fields.a_id: the key 'a_id' must be str or int, got 'float'"),
+        ("agents:\n  - name: a\n    commands: [{name: c, events: [e], fields: {n: int}}, {name: d, events: [e]}]\n",
+         "spec.yaml: agents[0]: event 'e' comes from commands 'c' and 'd' with different fields; give them the same fields or name the events apart"),
+        ("agents:\n  - name: a\n    commands: [{name: c, events: [state]}]\n",
+         "spec.yaml: agents[0]: generated classes: class 'AState' appears twice"),
     ],
 )  # fmt: skip
 def test_init_from_a_bad_spec_says_where_in_one_line_and_writes_nothing(

@@ -37,7 +37,7 @@ from meshforge.transport.server import EmbeddedServer
 
 EXAMPLES = int(os.environ.get("MESHFORGE_FUZZ_EXAMPLES", "10"))
 HEADER_LIMIT = 64 * 1024
-ALLOWED_REASONS = {"malformed", "unrecoverable", "rejected"}
+ALLOWED_REASONS = {"malformed", "unrecoverable", "invalid_payload", "rejected"}
 OUTCOME_WAIT = 45.0
 
 # ------------------------------------------------------------------ strategies

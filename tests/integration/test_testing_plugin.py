@@ -20,7 +20,7 @@ async def test_agent_worker_runs_commands_and_shows_events_state_and_dead_letter
         assert (await h.state("order", "o-1")).status == "created"
         assert (await h.state("inventory", "A-1")).reserved == 2
         [letter] = await h.wait_dead_letters(1)
-        assert letter.reason == "unrecoverable" and "'qty' must be > 0" in letter.error
+        assert letter.reason == "invalid_payload" and "at `$.qty`" in letter.error
         types = [e.type for e in await h.events()]
         assert sorted(types) == ["inventory.created", "inventory.reserved", "order.created"]
 

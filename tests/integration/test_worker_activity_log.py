@@ -55,7 +55,7 @@ async def test_a_busy_worker_logs_a_rate_summary_not_a_line_per_command(
     assert all(b.created - a.created >= 0.9 for a, b in itertools.pairwise(lines))
     text = " ".join(r.getMessage() for r in lines)
     assert re.search(r"handled \d+ command\(s\) in \d+\.\ds \(\d+/s\): inventory ", text), text
-    assert "unrecoverable)" in text and re.search(r"\d+ duplicate", text), text
+    assert "invalid_payload)" in text and re.search(r"\d+ duplicate", text), text
 
 
 def test_the_summary_says_what_changed_and_nothing_when_nothing_did() -> None:

@@ -15,6 +15,7 @@ from meshforge.runtime import SINGLETON, Agent, Event, Output, Send, command, de
 from meshforge.runtime.outputs import build_outputs, normalize_payload, scope_of
 from meshforge.runtime.replay import state_hash
 from meshforge.store.base import StoredEvent
+from meshforge.testing.harness import AgentHarness
 
 
 class Tally(msgspec.Struct):
@@ -223,59 +224,56 @@ def test_state_hash_ignores_interleaving_and_key_order_but_not_per_resource_orde
     assert len(base) == 64
 
 
-async def test_demo_order_agent_creates_gets_and_validates() -> None:
-    agent = OrderAgent()
-    specs = agent.commands()
-    create = cmd("order.create", {"sku": "A", "qty": 2})
-    order_id = agent.resource_key(create, specs["create"])
-    assert order_id == derive_uuid("order", create.key)
-    out = await agent.handle(specs["create"], create, OrderState())
-    assert out[0] == Event("created", {"order_id": order_id, "sku": "A", "qty": 2})
-    assert out[1] == Send("inventory", "reserve", {"order_id": order_id, "sku": "A", "qty": 2},
-                          resource_id="A")  # fmt: skip
-    state = agent.apply(OrderState(), Event("created", dict(out[0].payload)))  # type: ignore[union-attr]
-    got = await agent.handle(specs["get"], cmd("order.get", {"order_id": order_id}), state)
-    assert got == [Event("found", {"order_id": order_id, "order": msgspec.to_builtins(state)})]
-    missing = await agent.handle(specs["get"], cmd("order.get", {"order_id": "zz"}), OrderState())
-    assert missing == [Event("not_found", {"order_id": "zz"})]
-    with pytest.raises(Unrecoverable, match="already exists"):
-        await agent.handle(specs["create"], create, state)
-    for bad in (
-        {"qty": 1},
-        {"sku": "A", "qty": "x"},
-        {"sku": "A", "qty": 0},
-        {"sku": "", "qty": 1},
+def test_demo_order_agent_creates_gets_and_validates_by_its_declared_types() -> None:
+    h = AgentHarness(OrderAgent())
+    created = h.send("create", {"sku": "A", "qty": 2}, idempotency_key="req-1")
+    order_id = derive_uuid("order", "req-1")
+    assert [e.payload for e in created.events] == [{"order_id": order_id, "sku": "A", "qty": 2}]
+    [(subject, reserve)] = created.commands
+    assert (subject, reserve.type, reserve.payload, reserve.resource_id) == (
+        "cmd.default.test.inventory.reserve", "inventory.reserve",
+        {"order_id": order_id, "sku": "A", "qty": 2}, "A",
+    )  # fmt: skip
+    state = h.state(order_id)
+    assert state == OrderState(order_id=order_id, sku="A", qty=2, status="created")
+    found = h.send("get", {"order_id": order_id}).event("found")
+    assert found.payload == {"order_id": order_id, "order": msgspec.to_builtins(state)}
+    assert h.send("get", {"order_id": "zz"}).event("not_found").payload == {"order_id": "zz"}
+    again = h.send("create", {"order_id": order_id, "sku": "A", "qty": 2})
+    assert again.dead_letter is not None and again.dead_letter.reason == "unrecoverable"
+    assert "already exists" in again.dead_letter.error
+    for bad, where in (
+        ({"qty": 1}, "missing required field `sku`"),
+        ({"sku": "A", "qty": "x"}, "Expected `int`, got `str` - at `$.qty`"),
+        ({"sku": "A", "qty": 0}, "Expected `int` >= 1 - at `$.qty`"),
+        ({"sku": "", "qty": 1}, "Expected `str` of length >= 1 - at `$.sku`"),
+        ({"sku": "A", "qty": 1, "order_id": ""}, "at `$.order_id`"),
     ):
-        with pytest.raises(Unrecoverable, match=r"invalid order\.create"):
-            await agent.handle(specs["create"], cmd("order.create", bad), OrderState())
-    with pytest.raises(Unrecoverable, match="lacks 'order_id'"):
-        agent.resource_key(cmd("order.get", {}), specs["get"])
+        letter = h.send("create", bad).dead_letter
+        assert letter is not None and letter.reason == "invalid_payload", bad
+        assert "payload does not fit CreateOrder: " in letter.error and where in letter.error
+    letter = h.send("get", {}).dead_letter
+    assert letter is not None and letter.reason == "invalid_payload"
+    assert "missing required field `order_id`" in letter.error
 
 
-async def test_demo_inventory_agent_reserves_until_stock_runs_out() -> None:
-    agent = InventoryAgent()
-    specs = agent.commands()
-    state = InventoryState()
-    out = await agent.handle(
-        specs["create"], cmd("inventory.create", {"sku": "A", "qty": 3}), state
-    )
-    state = agent.apply(state, out[0])  # type: ignore[arg-type]
-    assert state == InventoryState(sku="A", qty=3, reserved=0, exists=True)
-    reserve = cmd("inventory.reserve", {"order_id": "o1", "sku": "A", "qty": 2})
-    out = await agent.handle(specs["reserve"], reserve, state)
-    assert out == [Event("reserved", {"order_id": "o1", "sku": "A", "qty": 2})]
-    state = agent.apply(state, out[0])  # type: ignore[arg-type]
-    out = await agent.handle(
-        specs["reserve"], cmd("inventory.reserve", {"order_id": "o2", "sku": "A", "qty": 2}), state
-    )
-    assert out[0].name == "rejected" and out[0].payload["reason"] == "not enough stock"  # type: ignore[union-attr]
-    found = await agent.handle(specs["get"], cmd("inventory.get", {"sku": "A"}), state)
-    assert found == [Event("found", {"sku": "A", "qty": 3, "reserved": 2})]
-    nothing = await agent.handle(specs["get"], cmd("inventory.get", {"sku": "B"}), InventoryState())
-    assert nothing == [Event("not_found", {"sku": "B"})]
-    unknown = await agent.handle(
-        specs["reserve"],
-        cmd("inventory.reserve", {"order_id": "o", "sku": "B", "qty": 1}),
-        InventoryState(),
-    )
-    assert unknown[0].payload["reason"] == "unknown sku"  # type: ignore[union-attr]
+def test_demo_inventory_agent_reserves_until_stock_runs_out() -> None:
+    h = AgentHarness(InventoryAgent())
+    assert h.send("create", {"sku": "A", "qty": 3}).event("created").payload == {
+        "sku": "A", "qty": 3,
+    }  # fmt: skip
+    assert h.state("A") == InventoryState(sku="A", qty=3, reserved=0, exists=True)
+    reserved = h.send("reserve", {"order_id": "o1", "sku": "A", "qty": 2}).event("reserved")
+    assert reserved.payload == {"order_id": "o1", "sku": "A", "qty": 2}
+    assert h.state("A").reserved == 2
+    rejected = h.send("reserve", {"order_id": "o2", "sku": "A", "qty": 2}).event("rejected")
+    assert rejected.payload == {"order_id": "o2", "sku": "A", "qty": 2, "available": 1,
+                                "reason": "not enough stock"}  # fmt: skip
+    found = h.send("get", {"sku": "A"}).event("found")
+    assert found.payload == {"sku": "A", "qty": 3, "reserved": 2}
+    assert h.send("get", {"sku": "B"}).event("not_found").payload == {"sku": "B"}
+    unknown = h.send("reserve", {"order_id": "o", "sku": "B", "qty": 1}).event("rejected")
+    assert unknown.payload["reason"] == "unknown sku"
+    letter = h.send("reserve", {"order_id": "o", "sku": "A"}).dead_letter
+    assert letter is not None and letter.reason == "invalid_payload"
+    assert "missing required field `qty`" in letter.error

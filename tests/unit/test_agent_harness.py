@@ -41,8 +41,8 @@ def test_a_repeated_key_gets_the_same_outputs_without_running_again(agent_harnes
 def test_bad_payloads_and_unknown_commands_are_dead_letters(agent_harness: Harness) -> None:
     h = agent_harness(InventoryAgent())
     bad = h.send("create", {"sku": "A-1", "qty": 0})
-    assert bad.dead_letter is not None and bad.dead_letter.reason == "unrecoverable"
-    assert "'qty' must be > 0" in bad.dead_letter.error
+    assert bad.dead_letter is not None and bad.dead_letter.reason == "invalid_payload"
+    assert "Expected `int` >= 1 - at `$.qty`" in bad.dead_letter.error
     assert bad.events == [] and not h.state("A-1").exists
     unknown = h.send("nope", {"sku": "A-1"})
     assert (

@@ -9,6 +9,7 @@ commands and events a spec lists (see ``meshforge.cli.init_spec``).
 
 from __future__ import annotations
 
+import json
 import keyword
 import re
 import sys
@@ -16,11 +17,18 @@ from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 from string import Template
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from meshforge.cli.init_spec import AgentSpec, ProjectSpec, default_spec, load_spec
+from meshforge.cli.init_spec import (
+    AgentSpec,
+    CommandSpec,
+    FieldSpec,
+    ProjectSpec,
+    default_spec,
+    load_spec,
+)
 from meshforge.errors import ConfigError, MeshForgeError
 
 __all__ = ["render_project", "write_project"]
@@ -134,9 +142,11 @@ def render_project(project: str, spec: ProjectSpec, *, store: str, profile: str)
             else '# nats_url = "nats://127.0.0.1:4222"   # unset: `meshforge run` starts an embedded server'
         ),
         "sample_subject": f"cmd.default.{package}.{first.name}.{first.commands[0].name}",
-        "sample_payload": f'{{"{first.key}": "{first.name}-1"}}',
+        "sample_payload": json.dumps(sample_payload(first, first.commands[0])),
         "command_rows": "\n".join(
-            f"| `{a.name}` | `{c.name}` (key `{a.key}`) | {', '.join(f'`{e}`' for e in c.events)} |"
+            f"| `{a.name}` | `{c.name}` (key `{a.key}`) | "
+            + ", ".join(f"`{f.name}: {f.type}`" for f in a.payload_fields(c)).replace("|", "\\|")
+            + f" | {', '.join(f'`{e}`' for e in c.events)} |"
             for a in spec.agents
             for c in a.commands
         ),
@@ -174,34 +184,102 @@ _POSTGRES_SERVICE = """  postgres:
 
 
 def _agent_module(agent: AgentSpec) -> str:
+    structs = [
+        _struct(agent.command_struct(c), f"The payload of ``{agent.name}.{c.name}``.",
+                agent.payload_fields(c))
+        for c in agent.commands
+    ] + [
+        _struct(agent.event_struct(e), f"The payload of ``{agent.name}.{e}``.",
+                agent.payload_fields(c))
+        for e, c in agent.events().items()
+    ]  # fmt: skip
     handlers = "".join(
         _template("handler.py").substitute(
             command=c.name,
             key=agent.key,
             state=agent.state_name,
             agent=agent.name,
+            payload=agent.command_struct(c),
             event_list=", ".join(f"``{agent.name}.{e}``" for e in c.events),
             events="\n".join(
-                f'            Event("{e}", {{**cmd.payload, "{agent.key}": resource}}),'
+                f'            Event("{e}", {agent.event_struct(e)}('
+                + ", ".join(f"{f.name}=p.{f.name}" for f in agent.payload_fields(c))
+                + ")),"
                 for e in c.events
             ),
         )
         for c in agent.commands
     )
+    key = agent.payload_fields(agent.commands[0])[0]
     return _template("agent.py").substitute(
         agent=agent.name, key=agent.key, state=agent.state_name, cls=agent.class_name,
         command_list=", ".join(f"``{c.name}``" for c in agent.commands), handlers=handlers,
+        structs="".join(structs), key_type=key.type, key_default='""' if key.type == "str" else "0",
+        event_map=", ".join(f'"{e}": {agent.event_struct(e)}' for e in agent.events()),
     )  # fmt: skip
 
 
+def _struct(name: str, doc: str, fields: tuple[FieldSpec, ...]) -> str:
+    lines = "\n".join(f"    {f.name}: {f.type}" + (" = None" if f.optional else "") for f in fields)
+    return _template("struct.py").substitute(struct=name, doc=doc, fields=lines)
+
+
+# A value of each field type for the generated tests, and one of another type.
+_SAMPLES = {"str": "hello", "int": 2, "float": 1.5, "bool": True}
+_WRONG = {"str": 1, "int": "x", "float": "x", "bool": "x"}
+
+
+def _sample(kind: str) -> Any:
+    base = kind.removesuffix(" | None")
+    if base.startswith("list["):
+        return [_SAMPLES[base[5:-1]]]
+    return _SAMPLES[base]
+
+
+def _wrong(kind: str) -> Any:
+    base = kind.removesuffix(" | None")
+    return "x" if base.startswith("list[") else _WRONG[base]
+
+
+def _py(value: Any) -> str:
+    """A Python literal of JSON-like ``value``, in double quotes as the project's code is."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_py(k)}: {_py(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_py(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def sample_key(agent: AgentSpec) -> Any:
+    """The resource the generated tests and ``make send`` use: ``order-1``, or 1."""
+    return f"{agent.name}-1" if agent.payload_fields(agent.commands[0])[0].type == "str" else 1
+
+
+def sample_payload(agent: AgentSpec, command: CommandSpec) -> dict[str, Any]:
+    """A payload of ``command`` with every field set (to ``sample_key`` for the key)."""
+    sample = sample_key(agent)
+    return {f.name: sample if f.name == agent.key else _sample(f.type)
+            for f in agent.payload_fields(command)}  # fmt: skip
+
+
 def _agent_tests(agent: AgentSpec, package: str) -> str:
-    sample = f"{agent.name}-1"
+    sample = sample_key(agent)
+
+    def payload(command: CommandSpec) -> dict[str, Any]:
+        return sample_payload(agent, command)
+
+    def data(command: CommandSpec) -> dict[str, Any]:
+        return {k: v for k, v in payload(command).items() if k != agent.key}
+
     units = "".join(
         _template("test_command.py").substitute(
             command=c.name,
-            key=agent.key,
             cls=agent.class_name,
             sample=sample,
+            payload=_py(payload(c)),
+            data=_py(data(c)),
             event_words="_".join(c.events),
             types=", ".join(f'"{agent.name}.{e}"' for e in c.events),
             last=c.events[-1],
@@ -210,8 +288,13 @@ def _agent_tests(agent: AgentSpec, package: str) -> str:
         for c in agent.commands
     )
     first = agent.commands[0]
+    fields = agent.payload_fields(first)
+    wrong_field = fields[1] if len(fields) > 1 else fields[0]
+    wrong = {**payload(first), wrong_field.name: _wrong(wrong_field.type)}
     return _template("test_agent.py").substitute(
         agent=agent.name, package=package, cls=agent.class_name, unit_tests=units,
         first=first.name, key=agent.key, sample=sample, first_event=first.events[0],
-        first_last=first.events[-1],
+        first_last=first.events[-1], first_payload=_py(payload(first)),
+        first_data=_py(data(first)), wrong_payload=_py(wrong),
+        wrong_error=f"at `$.{wrong_field.name}`",
     )  # fmt: skip

@@ -8,9 +8,15 @@ naming where it is::
         key: order_id            # payload field naming the resource (default <name>_id)
         commands:
           - name: create
+            fields: {sku: str, qty: int, note: str | None}
             events: [created]
           - name: cancel
             events: [cancelled]
+
+Each command's payload is a ``msgspec.Struct`` of its ``fields`` (the key first, a ``str``
+unless the fields say ``int``); each event's is a Struct of the fields of the command that
+emits it. A field's type is ``str``, ``int``, ``float``, ``bool`` or ``list[...]`` of one
+of them, and ``... | None`` makes it optional (default None).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any
 
 from meshforge.errors import ConfigError
 
-__all__ = ["AgentSpec", "CommandSpec", "ProjectSpec", "default_spec", "load_spec"]
+__all__ = ["AgentSpec", "CommandSpec", "FieldSpec", "ProjectSpec", "default_spec", "load_spec"]
 
 # Lower-case Python identifiers: each becomes a subject token, a method and a module name.
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
@@ -32,13 +38,31 @@ _KEYWORDS = frozenset({"and", "as", "class", "def", "del", "for", "from", "globa
                        "break", "continue", "elif", "else", "except", "finally", "nonlocal"})  # fmt: skip
 # Methods of Agent a command must not shadow.
 _RESERVED = frozenset({"apply", "handle", "initial", "commands", "resource_key", "encode_state",
-                       "decode_state", "name", "state_type", "unrecoverable"})  # fmt: skip
+                       "decode_state", "name", "state_type", "unrecoverable", "events",
+                       "timeout"})  # fmt: skip
+# A field's type: a JSON scalar, a list of one, either optional.
+_TYPE = re.compile(
+    r"(?P<type>str|int|float|bool|list\[(?:str|int|float|bool)\])(?P<optional> \| None)?"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """A payload field: its name and its Python type as written (``str``, ``int | None``)."""
+
+    name: str
+    type: str
+
+    @property
+    def optional(self) -> bool:
+        return self.type.endswith(" | None")
 
 
 @dataclass(frozen=True, slots=True)
 class CommandSpec:
     name: str
     events: tuple[str, ...]
+    fields: tuple[FieldSpec, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +74,33 @@ class AgentSpec:
     @property
     def class_name(self) -> str:
         """``order_line`` -> ``OrderLineAgent``."""
-        return "".join(part.capitalize() for part in self.name.split("_")) + "Agent"
+        return _pascal(self.name) + "Agent"
 
     @property
     def state_name(self) -> str:
         return self.class_name.removesuffix("Agent") + "State"
+
+    def command_struct(self, command: CommandSpec) -> str:
+        """The payload type of a command: ``create`` of ``order`` -> ``CreateOrder``."""
+        return _pascal(command.name) + _pascal(self.name)
+
+    def event_struct(self, event: str) -> str:
+        """The payload type of an event: ``created`` of ``order`` -> ``OrderCreated``."""
+        return _pascal(self.name) + _pascal(event)
+
+    def payload_fields(self, command: CommandSpec) -> tuple[FieldSpec, ...]:
+        """A command's fields with its key first (a ``str`` unless the fields say ``int``)."""
+        given = {f.name: f for f in command.fields}
+        key = given.pop(self.key, FieldSpec(self.key, "str"))
+        return (key, *given.values())
+
+    def events(self) -> dict[str, CommandSpec]:
+        """Each event of the agent and the (first) command that emits it."""
+        found: dict[str, CommandSpec] = {}
+        for command in self.commands:
+            for event in command.events:
+                found.setdefault(event, command)
+        return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +110,12 @@ class ProjectSpec:
 
 def default_spec() -> ProjectSpec:
     """What ``meshforge init`` writes without ``--from``: one agent, one command, its events."""
-    return ProjectSpec((AgentSpec("order", "order_id", (CommandSpec("create", ("created",)),)),))
+    create = CommandSpec(
+        "create",
+        ("created",),
+        (FieldSpec("sku", "str"), FieldSpec("qty", "int"), FieldSpec("note", "str | None")),
+    )
+    return ProjectSpec((AgentSpec("order", "order_id", (create,)),))
 
 
 def load_spec(path: Path) -> ProjectSpec:
@@ -107,11 +158,13 @@ def _agent(data: Any, where: str) -> AgentSpec:
         for i, c in enumerate(_list(item["commands"], f"{where}.commands"))
     )
     _unique([c.name for c in commands], f"{where}.commands", "command")
-    return AgentSpec(name, key, commands)
+    agent = AgentSpec(name, key, commands)
+    _check_payloads(agent, where)
+    return agent
 
 
 def _command(data: Any, where: str) -> CommandSpec:
-    item = _mapping(data, where, {"name", "events"}, required=("name", "events"))
+    item = _mapping(data, where, {"name", "events", "fields"}, required=("name", "events"))
     name = _name(item["name"], f"{where}.name")
     if name in _RESERVED:
         raise ConfigError(
@@ -122,7 +175,48 @@ def _command(data: Any, where: str) -> CommandSpec:
         for i, e in enumerate(_list(item["events"], f"{where}.events"))
     )
     _unique(list(events), f"{where}.events", "event")
-    return CommandSpec(name, events)
+    return CommandSpec(name, events, _fields(item.get("fields", {}), f"{where}.fields"))
+
+
+def _fields(data: Any, where: str) -> tuple[FieldSpec, ...]:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of field name to type, got {_kind(data)}")
+    fields = []
+    for name, kind in data.items():
+        _name(name, f"{where}: field name")
+        if not isinstance(kind, str) or not _TYPE.fullmatch(kind.strip()):
+            raise ConfigError(
+                f"{where}.{name}: expected str, int, float, bool or list[...] of one, "
+                f"optionally '| None', got {kind!r}"
+            )
+        fields.append(FieldSpec(name, kind.strip()))
+    return tuple(fields)
+
+
+def _check_payloads(agent: AgentSpec, where: str) -> None:
+    """The key is a required ``str`` or ``int``; an event emitted by two commands gets the
+    same fields from both; no generated class name is taken twice."""
+    for i, command in enumerate(agent.commands):
+        key = agent.payload_fields(command)[0]
+        if key.type not in ("str", "int"):
+            raise ConfigError(
+                f"{where}.commands[{i}].fields.{key.name}: the key {key.name!r} must be str or "
+                f"int, got {key.type!r}"
+            )
+    events = agent.events()
+    for command in agent.commands:
+        for event in command.events:
+            first = events[event]
+            if agent.payload_fields(first) != agent.payload_fields(command):
+                raise ConfigError(
+                    f"{where}: event {event!r} comes from commands {first.name!r} and "
+                    f"{command.name!r} with different fields; give them the same fields or "
+                    "name the events apart"
+                )
+    names = [agent.class_name, agent.state_name]
+    names += [agent.command_struct(c) for c in agent.commands]
+    names += [agent.event_struct(e) for e in events]
+    _unique(names, f"{where}: generated classes", "class")
 
 
 def _mapping(data: Any, where: str, allowed: set[str], required: tuple[str, ...]) -> dict[str, Any]:
@@ -161,6 +255,11 @@ def _unique(names: list[str], where: str, what: str) -> None:
         if name in seen:
             raise ConfigError(f"{where}: {what} {name!r} appears twice")
         seen.add(name)
+
+
+def _pascal(name: str) -> str:
+    """``cancel_requested`` -> ``CancelRequested``."""
+    return "".join(part.capitalize() for part in name.split("_"))
 
 
 def _kind(value: Any) -> str:

@@ -7,6 +7,10 @@ the subject's. With ``partitions`` set (``MESHFORGE_PARTITIONS``) a five-token c
 subject gets its partition token, by the envelope's ``resource_id`` (else its ``id``).
 Prints ``stream=... seq=... id=... duplicate=true|false`` (and ``subject=...`` when partitioned).
 
+``--agent MODULE:AGENT`` checks the payload against the type the agent's command declares
+(``Command[P]``) before anything is sent: a payload that does not fit is refused with one
+line naming the field and the expected type (exit 2), as the worker would dead-letter it.
+
 ``--raw BYTES`` (or ``--raw @FILE``) sends a body exactly as given, with no envelope and
 no headers: the way to make a malformed command on purpose, or to test another client.
 """
@@ -21,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from meshforge.cli.common import NatsUrl, nats_target
-from meshforge.errors import InvalidSubject, MalformedMessage
+from meshforge.errors import ConfigError, InvalidSubject, MalformedMessage
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
@@ -52,6 +56,14 @@ def publish(
         typer.Option("--key", help="Idempotency key: a request re-sent with it is applied once."),
     ] = None,
     source: Annotated[str, typer.Option("--source", help="Who produced the message.")] = "cli",
+    agent: Annotated[
+        str | None,
+        typer.Option(
+            "--agent",
+            metavar="MODULE:AGENT",
+            help="Check the payload against the type this agent's command declares first.",
+        ),
+    ] = None,
     nats_url: NatsUrl = None,
 ) -> None:
     """Publish one command or event as an envelope (or any body as is, with --raw)."""
@@ -68,6 +80,8 @@ def publish(
             raise typer.BadParameter("give a JSON argument or --raw, not both", param_hint="JSON")
         if key is not None:
             raise typer.BadParameter("--raw sends no headers, so it takes no --key")
+        if agent is not None:
+            raise typer.BadParameter("--raw sends a body as is, so it takes no --agent")
         data = raw_body(raw)
         with nats_target(settings.nats_url) as url:
             result = asyncio.run(_publish(url, settings, subject, data))
@@ -79,6 +93,8 @@ def publish(
         env = build_envelope(subject, body, key=key, source=source)
     except MalformedMessage as exc:
         raise typer.BadParameter(str(exc), param_hint="JSON") from None
+    if agent is not None:
+        check_payload(agent, subject, env)
     from meshforge.topology.partitions import partitioned
 
     subject = partitioned(subject, env, settings)
@@ -89,6 +105,39 @@ def publish(
         f"stream={result.stream} seq={result.seq} id={env.id} "
         f"duplicate={'true' if result.duplicate else 'false'}{shown}"
     )
+
+
+def check_payload(spec: str, subject: str, env: Envelope) -> None:
+    """Refuse (``ConfigError``: one line, exit 2) a command that agent ``spec`` would
+    dead-letter as ``invalid_payload``: its payload is decoded exactly as the worker
+    decodes it, into the type the command declares. A command declared without a type
+    (a plain dict) passes; a subject or type that is not one of the agent's commands does not.
+    """
+    from meshforge.errors import InvalidPayload
+    from meshforge.runtime import payloads
+    from meshforge.runtime.worker import import_from_cwd, load_agent
+
+    import_from_cwd()
+    agent = load_agent(spec)
+    tokens = subject.split(".")
+    named, _, command = env.type.partition(".")
+    if tokens[0] != "cmd" or len(tokens) < 5 or tokens[3] != agent.name or named != agent.name:
+        raise ConfigError(
+            f"--agent {spec}: {subject!r} (type {env.type!r}) is not a command of agent "
+            f"{agent.name!r}: send it on cmd.<tenant>.<namespace>.{agent.name}.<command>"
+        )
+    declared = agent.commands().get(command)
+    if declared is None:
+        known = ", ".join(sorted(agent.commands())) or "none"
+        raise ConfigError(
+            f"--agent {spec}: agent {agent.name!r} has no command {command!r} (commands: {known})"
+        )
+    if declared.payload is None:
+        return  # declared as a plain dict: the handler checks it
+    try:
+        payloads.decoder(declared.payload).decode_body(env.encode())
+    except InvalidPayload as exc:
+        raise ConfigError(f"{env.type}: {exc}") from None
 
 
 def raw_body(value: str) -> bytes:

@@ -16,6 +16,9 @@ Example::
     result = await publisher.publish("cmd.default.demo.order.create", env)
     print(result.stream, result.seq, result.duplicate)
     results = await publisher.publish_many([Outbound.of(subject, e) for e in envs])
+
+    # A typed command: subject and type from the agent's declaration (publish.typed).
+    result = await publisher.send(OrderAgent, PlaceOrder(order_id="o-1", sku="A-1", qty=2))
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -38,6 +42,7 @@ from meshforge.config import Settings, load_settings
 from meshforge.envelope import H_MSG_ID, Envelope, Outbound
 from meshforge.errors import InvalidSubject, PublishError, one_line
 from meshforge.ops.observability import Metrics
+from meshforge.publish.typed import addressed
 from meshforge.topology.subjects import validate_subject
 from meshforge.transport.pubacks import Message, PubAckPipe
 from meshforge.transport.sizes import (
@@ -301,6 +306,34 @@ class Publisher:
                 await asyncio.sleep(self._delay(attempt))  # backoff before the next attempt
                 continue
             return self._succeeded(ack, item.msg_id)
+
+    async def send(
+        self,
+        agent: object,
+        payload: Any,
+        *,
+        tenant: str | None = None,
+        namespace: str | None = None,
+        resource_id: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109  # per attempt, as publish's
+        **envelope_fields: Any,
+    ) -> PublishResult:
+        """Send typed ``payload`` to the command of agent class ``agent`` that declares its
+        type, on the subject that declaration gives; ``ConfigError`` if no command (or
+        more than one) takes it. See ``meshforge.publish.typed.addressed`` for the defaults
+        of ``tenant``, ``namespace`` and ``resource_id``; ``envelope_fields`` (e.g.
+        ``idempotency_key``) go to ``Envelope.new``. The result's ``msg_id`` is the
+        envelope's id.
+
+        Example::
+
+            await publisher.send(OrderAgent, PlaceOrder(order_id="o-1", qty=2), tenant="acme")
+        """
+        subject, env = addressed(
+            agent, payload, self.settings, tenant=tenant, namespace=namespace,
+            resource_id=resource_id, **envelope_fields,
+        )  # fmt: skip
+        return await self.publish(subject, env, timeout=timeout)
 
     # ------------------------------------------------------------------ many
     async def publish_many(

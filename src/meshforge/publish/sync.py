@@ -16,6 +16,10 @@ Example::
     def view(request):
         result = publisher.publish("cmd.default.shop.order.create", {"sku": "A-1", "qty": 2})
         return {"seq": result.seq}
+
+    def typed_view(request):  # subject and type from the agent's declaration
+        result = publisher.send(OrderAgent, CreateOrder(sku="A-1", qty=2), namespace="shop")
+        return {"seq": result.seq}
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from meshforge.config import Settings, load_settings
 from meshforge.envelope import Envelope
 from meshforge.errors import MalformedMessage, PublishError
 from meshforge.publish.publisher import Publisher, PublishResult
+from meshforge.publish.typed import addressed
 from meshforge.transport.bridge import BridgeClosed, BridgeTimeout, LoopThread
 from meshforge.transport.connection import Connection, connect
 
@@ -132,6 +137,26 @@ class SyncPublisher:
             ) from None
         finally:
             self._slots.release()
+
+    def send(
+        self,
+        agent: object,
+        payload: Any,
+        *,
+        tenant: str | None = None,
+        namespace: str | None = None,
+        resource_id: str | None = None,
+        timeout: float | None = None,
+        **envelope_fields: Any,
+    ) -> PublishResult:
+        """``Publisher.send``, blocking: typed ``payload`` to the command of agent class
+        ``agent`` that declares its type, on the subject that declaration gives."""
+        subject, env = addressed(
+            agent, payload, self.settings, tenant=tenant, namespace=namespace,
+            resource_id=resource_id, source=envelope_fields.pop("source", self.name),
+            **envelope_fields,
+        )  # fmt: skip
+        return self.publish(subject, env, timeout=timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Close the connection (waiting for what is in flight) and stop the thread. Idempotent."""

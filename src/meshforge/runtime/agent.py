@@ -46,6 +46,7 @@ import msgspec
 
 from meshforge.envelope import Envelope
 from meshforge.errors import ConfigError, Unrecoverable
+from meshforge.publish.typed import command_for
 from meshforge.runtime import payloads
 from meshforge.store.base import quick_init
 from meshforge.topology.subjects import validate_token
@@ -156,7 +157,8 @@ class Send:
 Output: TypeAlias = Event | Send
 _OUTPUT_TYPES = frozenset({Event, Send})
 HandlerResult: TypeAlias = Sequence[Output] | Output | None
-KeySpec: TypeAlias = str | Callable[[Envelope], str] | None
+# A key function of a typed command takes its ``Command[P]`` (what the engine passes it).
+KeySpec: TypeAlias = str | Callable[[Envelope], str] | Callable[["Command[Any]"], str] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,30 +259,6 @@ def _with_payload(spec: CommandSpec, owner: type) -> CommandSpec:
     return dataclasses.replace(spec, payload=tp)
 
 
-def command_for(agent_cls: type[Agent[Any]] | Agent[Any], payload: Any) -> tuple[str, str]:
-    """``(agent name, command name)`` of the one command of ``agent_cls`` whose declared
-    payload type is ``type(payload)``; ``ConfigError`` if none or several are."""
-    cls = agent_cls if isinstance(agent_cls, type) else type(agent_cls)
-    if not (isinstance(cls, type) and issubclass(cls, Agent)):
-        raise ConfigError(f"{agent_cls!r} is not an Agent class")
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str):
-        raise ConfigError(f"agent {cls.__qualname__}: set the class attribute 'name'")
-    tp = type(payload)
-    found = [spec.name for spec in cls._commands.values() if spec.payload is tp]
-    if len(found) != 1:
-        typed = sorted(
-            f"{s.name} ({payloads.type_name(s.payload)})" for s in cls._commands.values()
-            if s.payload is not None
-        )  # fmt: skip
-        how = "no command" if not found else f"{len(found)} commands ({', '.join(sorted(found))})"
-        raise ConfigError(
-            f"agent {name!r}: {how} takes a {payloads.type_name(tp)} payload"
-            f" (typed commands: {', '.join(typed) or 'none'})"
-        )
-    return name, found[0]
-
-
 def _state_type_of(cls: type) -> type | None:
     for base in getattr(cls, "__orig_bases__", ()):
         if typing.get_origin(base) is Agent:
@@ -355,7 +333,7 @@ class Agent(Generic[S]):
         if key is None:
             return cmd.resource_id or SINGLETON
         if callable(key):
-            value: Any = key(cmd)
+            value: Any = key(cast(Any, cmd))  # a Command[P] when the payload is typed
         elif spec.payload is None:
             if key not in cmd.payload:
                 raise Unrecoverable(f"payload lacks {key!r}, the key of command {spec.name!r}")

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from typing import Any, Generic, TypeVar, cast
 
 import msgspec
 
 from meshforge.errors import ConfigError, InvalidPayload
+
+# Shared with the publishers, which sit below the runtime (``meshforge.publish.typed``).
+from meshforge.publish.typed import is_pydantic, to_builtins, type_name
 
 __all__ = [
     "PayloadDecoder",
@@ -53,34 +55,12 @@ class _RawBody(msgspec.Struct):
     payload: msgspec.Raw
 
 
-def _pydantic_base() -> type | None:
-    """Pydantic's ``BaseModel`` if the program imported Pydantic (a model can exist only then)."""
-    module = sys.modules.get("pydantic")
-    return cast(type, module.BaseModel) if module is not None else None
-
-
-def is_pydantic(tp: object) -> bool:
-    """Whether ``tp`` is a Pydantic v2 model class."""
-    base = _pydantic_base()
-    return (
-        base is not None
-        and isinstance(tp, type)
-        and issubclass(tp, base)
-        and hasattr(tp, "model_validate_json")
-    )
-
-
 def is_typed(tp: object) -> bool:
     """Whether ``tp`` can be a declared payload type: a ``msgspec.Struct`` subclass, a
     dataclass, or a Pydantic v2 model."""
     if not isinstance(tp, type):
         return False
     return issubclass(tp, msgspec.Struct) or dataclasses.is_dataclass(tp) or is_pydantic(tp)
-
-
-def type_name(tp: type) -> str:
-    """How a payload type is named in errors: its qualified name."""
-    return getattr(tp, "__qualname__", repr(tp))
 
 
 def field_names(tp: type) -> tuple[str, ...]:
@@ -182,18 +162,6 @@ class PayloadDecoder(Generic[P]):
 def decoder(tp: type[P]) -> PayloadDecoder[P]:
     """The (shared) decoder of payload type ``tp``; ``ConfigError`` if ``tp`` cannot be one."""
     return PayloadDecoder(tp)
-
-
-def to_builtins(obj: Any) -> Any:
-    """A payload as JSON-ready builtins: a typed payload's fields as a dict (Pydantic's
-    ``model_dump(mode="json")``), a mapping as a plain dict."""
-    if type(obj) is dict:
-        return obj
-    if is_pydantic(type(obj)):
-        return obj.model_dump(mode="json")
-    if isinstance(obj, msgspec.Struct) or dataclasses.is_dataclass(obj):
-        return msgspec.to_builtins(obj)
-    return dict(obj)
 
 
 def encode(obj: Any) -> bytes:

@@ -1,0 +1,1 @@
+"""A small shop with typed agents: see ``agents.py`` and ``send.py``."""
