@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -76,6 +78,7 @@ class Result:
     start_requests: float = 0.0  # JetStream API requests per node during the start
     idle_requests: float = 0.0  # per node per second, idle
     idle_msgs: float = 0.0  # messages into the server per node per second, idle
+    idle_cpu: float = 0.0  # server CPU seconds per second, idle
     rss: float = 0.0  # server RSS per node, bytes
     rss_total: float = 0.0
     rollout_rate: float = 0.0  # by the nodes' clocks
@@ -98,6 +101,12 @@ def monitor(server: EmbeddedServer, path: str) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=30) as response:
         loaded: dict[str, Any] = json.loads(response.read())
     return loaded
+
+
+def cpu_seconds(server: EmbeddedServer) -> float:
+    """The server process's CPU seconds so far (user + system, from /proc)."""
+    fields = Path(f"/proc/{server.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def api_requests(server: EmbeddedServer) -> int:
@@ -259,8 +268,10 @@ def measure(size: int, procs: int, rate: float, home: Path) -> Result:
 
             # Idle: announcements and probes only.
             api0, msgs0 = api_requests(server), int(monitor(server, "varz")["in_msgs"])
+            cpu0 = cpu_seconds(server)
             time.sleep(IDLE_WINDOW)  # the window measured
             api1, varz = api_requests(server), monitor(server, "varz")
+            result.idle_cpu = (cpu_seconds(server) - cpu0) / IDLE_WINDOW
             result.idle_requests = (api1 - api0) / IDLE_WINDOW / size
             result.idle_msgs = (int(varz["in_msgs"]) - msgs0) / IDLE_WINDOW / size
             result.rss_total = float(varz["mem"])
@@ -337,6 +348,7 @@ def show(r: Result, rate: float) -> None:
     table.add_row("JetStream API requests per node start", f"{r.start_requests:.1f}")
     table.add_row("idle: API requests per node per s", f"{r.idle_requests:.3f}")
     table.add_row("idle: messages in per node per s", f"{r.idle_msgs:.3f}")
+    table.add_row("idle: server CPU", f"{r.idle_cpu * 100:.1f}% of a core")
     table.add_row("server RSS", f"{r.rss_total / 2**20:,.0f} MiB ({r.rss / 1024:.0f} KiB a node)")
     table.add_row(f"job at {rate:g}/s: {r.job_status}", f"{r.job_wall:.1f} s wall")
     table.add_row("rollout rate, by the nodes' clocks", f"{r.rollout_rate:.1f}/s")
@@ -371,7 +383,7 @@ def report(r: Result, rate: float) -> None:
           note=", ".join(f"{k} {v:.2f}" for k, v in {**r.reads, **r.commands}.items()))  # fmt: skip
     floor("N7", f"server per node, {n}: RSS, API requests at start, API requests/s idle",
           f"{r.rss / 1024:.0f} KiB, {r.start_requests:.1f}, {r.idle_requests:.3f}",
-          "reported", met=None, note=f"messages in/s idle per node {r.idle_msgs:.3f}")  # fmt: skip
+          "reported", met=None, note=f"messages in/s idle per node {r.idle_msgs:.3f}, server CPU idle {r.idle_cpu * 100:.1f}% of a core")  # fmt: skip
 
 
 def main() -> int:
@@ -381,6 +393,8 @@ def main() -> int:
     parser.add_argument("--procs", type=int, default=4, help="node processes")
     parser.add_argument("--rate", type=float, default=200.0, help="the job's commands per second")
     args = parser.parse_args()
+    # A stopped benchmark still stops its node processes and server (the finally blocks).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = [
         int(s) for s in (args.sizes or ("1000" if args.quick else "1000,3000,10000")).split(",")
     ]
