@@ -56,7 +56,9 @@ async def test_ctl_nodes_shows_alive_late_and_gone_with_mailbox_depth(
 
         result = await meshforge("ctl", "nodes", "--site", site, "--json", "--nats-url", nats_url)
         assert result.returncode == 0, result.stderr
-        rows = {r["node"]: r for r in json.loads(result.stdout)}
+        listed = json.loads(result.stdout)
+        assert (listed["announced"], listed["site"]) == (4, site)
+        rows = {r["node"]: r for r in listed["nodes"]}
         assert {n: r["liveness"] for n, r in rows.items()} == {
             "gone": "gone", "late": "late", "off": "gone", "up": "alive",
         }  # fmt: skip
@@ -65,4 +67,8 @@ async def test_ctl_nodes_shows_alive_late_and_gone_with_mailbox_depth(
 
         table = await meshforge("ctl", "nodes", "--site", site, "--nats-url", nats_url)
         assert table.returncode == 0 and f"{site}.late" in table.stdout and "late" in table.stdout
+        mailboxes = listed["mailboxes"]  # every site's: the session server has other nodes
+        assert table.stdout.splitlines()[0] == (
+            f"4 announced at site {site}, {mailboxes} mailboxes (all sites)"
+        )
     assert Announcement.decode(b"not json") is None

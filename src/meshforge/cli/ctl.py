@@ -12,6 +12,7 @@ from meshforge.cli.common import NatsUrl, json_payload, nats_target
 
 if TYPE_CHECKING:
     from meshforge.config import Settings
+    from meshforge.control.fleet import Fleet
     from meshforge.control.reply import Reply
 
 ctl_app = typer.Typer(
@@ -216,21 +217,24 @@ def nodes(
     nats_url: NatsUrl = None,
 ) -> None:
     """List every node the presence data knows: alive / late / gone, epoch, version,
-    last seen and mailbox depth."""
+    last seen and mailbox depth; first "N announced, M mailboxes" (a node with a mailbox
+    that never announced shows in the difference)."""
     from meshforge.config import load_settings
 
     settings = load_settings({"nats_url": nats_url})
     with nats_target(settings.nats_url) as url:
-        rows = asyncio.run(_nodes(url, settings, site))
+        fleet = asyncio.run(_nodes(url, settings, site))
     if as_json:
-        typer.echo(json.dumps(rows, indent=2))
+        typer.echo(json.dumps(fleet.to_dict(), indent=2))
         return
-    if not rows:
+    typer.echo(fleet.summary())
+    if not fleet.rows:
         typer.echo("no node has announced itself" + (f" at site {site}" if site else ""))
         return
     header = ("NODE", "STATE", "EPOCH", "VERSION", "LAST SEEN", "AGO", "MAILBOX")
     lines = [header]
-    for r in rows:
+    for row in fleet.rows:
+        r = row.to_dict()
         seen = f"{r['seconds_since_seen']:.1f}s"
         version = r["version"] or "-"
         lines.append(
@@ -242,9 +246,9 @@ def nodes(
         typer.echo("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
 
 
-async def _nodes(url: str, settings: Settings, site: str | None) -> list[dict[str, Any]]:
-    from meshforge.control.fleet import list_nodes
+async def _nodes(url: str, settings: Settings, site: str | None) -> Fleet:
+    from meshforge.control.fleet import survey
     from meshforge.transport.connection import connect
 
     async with await connect(settings, url=url, name="meshforge-ctl") as conn:
-        return [row.to_dict() for row in await list_nodes(conn.js, site)]
+        return await survey(conn.js, site)

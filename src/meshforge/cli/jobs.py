@@ -125,9 +125,7 @@ async def _create(
     url: str, settings: Settings, job: str, command: str, body: dict[str, Any],
     sites: list[str], named: list[str], options: dict[str, Any], detach: bool,
 ) -> int:  # fmt: skip
-    from meshforge.control.fleet import announcements
     from meshforge.control.jobs import JobSpec, JobStore
-    from meshforge.errors import ConfigError
     from meshforge.topology.provision import ensure
     from meshforge.topology.specs import default_streams
 
@@ -136,10 +134,7 @@ async def _create(
             await ensure(conn.js, default_streams(settings), [])
         targets = [tuple(n.split("/", 1)) for n in named]
         for site in sites:
-            found = [(a.site, a.node) for a in await announcements(conn.js, site)]
-            if not found:
-                raise ConfigError(f"--site {site}: no node of this site has announced itself")
-            targets += found
+            targets += await _site_targets(conn, site)
         unique = list(dict.fromkeys((s, n) for s, n in targets))
         spec = JobSpec(job, command, body, targets=unique, **options)
         store = await JobStore.open(conn.js)
@@ -148,6 +143,25 @@ async def _create(
         if detach:
             return 0
         return await _drive(conn, store, spec, settings)
+
+
+async def _site_targets(conn: Connection, site: str) -> list[tuple[str, str]]:
+    """The nodes of ``site`` that announced themselves; refused (one line) when that list
+    can be incomplete: the listing could not be read to its end (``IncompleteListing``), or
+    the control stream is at its consumer limit, so nodes past it never started."""
+    from meshforge.control.fleet import survey
+    from meshforge.errors import ConfigError, MeshForgeError
+
+    fleet = await survey(conn.js, site)
+    if fleet.mailboxes.full:
+        raise MeshForgeError(
+            f"--site {site}: the node list can be incomplete: {fleet.summary()}, and nodes "
+            "past the limit never started; raise control_max_consumers "
+            "(MESHFORGE_CONTROL_MAX_CONSUMERS) and run `meshforge provision`, or name the nodes"
+        )
+    if not fleet.rows:
+        raise ConfigError(f"--site {site}: no node of this site has announced itself")
+    return [(row.site, row.node) for row in fleet.rows]
 
 
 async def _drive(conn: Connection, store: Any, spec: JobSpec, settings: Settings) -> int:

@@ -133,6 +133,12 @@ async def _provision(
     async with await connect(settings, url=url, name="meshforge-provision") as conn:
         planned = await plan(conn.js, streams, consumers)
         console.print(_table(planned, "plan" if dry_run else "provisioning"))
+        limit = settings.control_max_consumers
+        console.print(
+            f"node mailboxes: {STREAM_CONTROL} takes "
+            f"{f'at most {limit}' if limit > 0 else 'any number of'} consumers, one per node "
+            f"(control_max_consumers {limit})"
+        )
         if planned.refused or not dry_run:
             report = await apply(conn.js, planned)  # raises, one line, when anything is refused
             console.print(

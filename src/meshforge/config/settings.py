@@ -77,6 +77,8 @@ class Settings(AuthSettings):
     storage: Literal["file", "memory"] = "file"
     max_age: float = 0.0
     max_bytes: int = -1
+    # Consumers MESHFORGE_CONTROL takes: one per node (its mailbox); -1, unlimited.
+    control_max_consumers: int = -1
     batch_size: int = 64
     concurrency: int = 8
     partitions: int = 0
@@ -311,6 +313,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "storage": _choice("file", "memory"),
     "max_age": _duration(positive=False),
     "max_bytes": _int_at_least(1, minus_one=True),
+    "control_max_consumers": _int_at_least(1, minus_one=True),
     "batch_size": _int_at_least(1),
     "concurrency": _int_at_least(1),
     "partitions": _int_between(0, 1024),

@@ -6,7 +6,6 @@ each overview refresh, so a throughput sparkline needs no metrics backend.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import time
@@ -18,19 +17,20 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from meshforge.control.client import ControlClient, NodeStatus
-from meshforge.control.presence import NODES_BUCKET
+from meshforge.control.fleet import NodeRow, survey
 from meshforge.deadletters.route import H_DLQ_REASON
 from meshforge.topology.subjects import STREAM_COMMANDS, STREAM_FAILED, matches
 from meshforge.transport.connection import Connection
 from meshforge.transport.headers import text_headers
+from meshforge.transport.listing import last_message
 
 __all__ = ["ConsumerRow", "Overview", "StatusReader", "StreamRow"]
 
 # A sparkline keeps this many samples; the reason count reads at most this many letters.
 HISTORY = 30
 REASON_SCAN_LIMIT = 5_000
-_REASON_IDLE = 0.5
+# A guard, never waited out when all is well: the read stops at the last letter it knows of.
+_REASON_GUARD = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +65,7 @@ class Overview:
     reasons_capped: bool = False
     nodes_alive: int = 0
     nodes_known: int = 0
+    mailboxes: int = 0
 
 
 def scope_filter(tenant: str | None) -> str | None:
@@ -114,9 +115,10 @@ class StatusReader:
             view.consumers = await self._consumers(STREAM_COMMANDS)
         view.reasons, view.reasons_capped = await self.reasons_last_hour()
         if self.tenant is None:
-            nodes = await self.nodes()
-            view.nodes_known = len(nodes)
-            view.nodes_alive = sum(1 for n in nodes if n.alive)
+            fleet = await survey(self.js)
+            view.nodes_known = fleet.announced
+            view.nodes_alive = sum(1 for n in fleet.rows if n.alive)
+            view.mailboxes = fleet.mailboxes.count
         return view
 
     async def _consumers(self, stream: str) -> list[ConsumerRow]:
@@ -152,6 +154,13 @@ class StatusReader:
         since = datetime.now(UTC) - timedelta(hours=1)
         subject = "failed." + (scope_filter(self.tenant) or ">")
         try:
+            last = await last_message(self.js, STREAM_FAILED, subject)
+        except nats.js.errors.NotFoundError:
+            return {}, False
+        if last is None or datetime.fromisoformat(last[1]) < since:
+            return {}, False  # no letter in the last hour: nothing to read
+        upto = last[0]
+        try:
             sub = await self.js.subscribe(
                 subject,
                 stream=STREAM_FAILED,
@@ -168,30 +177,25 @@ class StatusReader:
         try:
             for _ in range(REASON_SCAN_LIMIT):
                 try:
-                    msg = await sub.next_msg(timeout=_REASON_IDLE)
+                    msg = await sub.next_msg(timeout=_REASON_GUARD)
                 except (TimeoutError, nats.errors.TimeoutError):
                     return dict(counts), False
                 if not (msg.subject or "").startswith("failed.original."):
                     reason = text_headers(msg.headers).get(H_DLQ_REASON, "")
                     counts[reason or "unknown"] += 1
-                if msg.metadata.num_pending == 0:
+                meta = msg.metadata
+                if meta.sequence.stream >= upto or meta.num_pending == 0:
                     return dict(counts), False
             return dict(counts), True
         finally:
             await sub.unsubscribe()
 
-    async def nodes(self) -> list[NodeStatus]:
-        """Every node that ever announced itself, with epoch, last seen and mailbox depth."""
+    async def nodes(self) -> list[NodeRow]:
+        """Every node that ever announced itself, with epoch, last seen and mailbox depth:
+        a few requests however many nodes there are (``meshforge.control.fleet``)."""
         if self.tenant is not None:
             return []  # nodes belong to sites, not tenants: a tenant's console has none
-        try:
-            kv = await self.js.key_value(NODES_BUCKET)
-            keys = await kv.keys()
-        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
-            return []
-        client = ControlClient(self.conn, source="console")
-        pairs = [tuple(k.split(".", 1)) for k in sorted(keys) if "." in k]
-        return list(await asyncio.gather(*(client.status(s, n) for s, n in pairs)))
+        return (await survey(self.js)).rows
 
 
 def _rates(history: collections.deque[tuple[float, int]]) -> list[float]:

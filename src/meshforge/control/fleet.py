@@ -1,8 +1,18 @@
-"""Every node the presence bucket knows: alive, late or gone, with epoch and mailbox depth.
+"""Every node the presence bucket knows (alive, late or gone, with epoch and mailbox depth)
+and how many mailboxes the control stream holds: what ``ctl nodes`` and the console show.
+
+A read costs the same few requests with 10 nodes or 10,000: the presence bucket is read in
+one listing (``meshforge.transport.listing``: never silently short), the mailbox depths
+come from the control stream's per-subject message counts (one stream info with a subject
+filter, paged by the server), and the mailboxes are the stream's consumers (one per node
+that ever started). A node that has a mailbox but never announced, or a stream at its
+consumer limit (nodes past it never started), shows in ``announced`` against ``mailboxes``.
 
 Example::
 
-    for row in await list_nodes(conn.js, site="plant3"):
+    fleet = await survey(conn.js, site="plant3")
+    print(fleet.summary())                       # 1200 announced, 1200 mailboxes
+    for row in fleet.rows:
         print(row.site, row.node, row.liveness, row.epoch, row.mailbox_depth)
 """
 
@@ -12,13 +22,25 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import NotFoundError
 
-from meshforge.control.client import node_durable
 from meshforge.control.presence import NODES_BUCKET, STALE_INTERVALS, Announcement
+from meshforge.topology.specs import consumer_limit, js_api
 from meshforge.topology.subjects import STREAM_CONTROL, control_command_subject, validate_token
+from meshforge.transport.listing import read_bucket
 
-__all__ = ["GONE_INTERVALS", "Liveness", "NodeRow", "list_nodes", "liveness"]
+__all__ = [
+    "GONE_INTERVALS",
+    "Fleet",
+    "Liveness",
+    "Mailboxes",
+    "NodeRow",
+    "announcements",
+    "list_nodes",
+    "liveness",
+    "mailboxes",
+    "survey",
+]
 
 Liveness = Literal["alive", "late", "gone"]
 # Not heard from for this many announcement intervals: the node is taken for gone.
@@ -37,7 +59,7 @@ def liveness(note: Announcement) -> Liveness:
 
 @dataclass(frozen=True, slots=True)
 class NodeRow:
-    """One node as ``ctl nodes`` shows it."""
+    """One node as ``ctl nodes`` and the console's nodes page show it."""
 
     announcement: Announcement
     liveness: Liveness
@@ -55,6 +77,14 @@ class NodeRow:
     def epoch(self) -> int:
         return self.announcement.epoch
 
+    @property
+    def last_seen(self) -> str:
+        return self.announcement.last_seen
+
+    @property
+    def alive(self) -> bool:
+        return self.liveness == "alive"
+
     def to_dict(self) -> dict[str, Any]:
         note = self.announcement
         return {
@@ -70,44 +100,105 @@ class NodeRow:
         }
 
 
-async def mailbox_depth(js: JetStreamContext, site: str, node: str) -> int:
-    """Pending plus unacked on the node's consumer; before it exists, the stored commands."""
-    try:
-        info = await js.consumer_info(STREAM_CONTROL, node_durable(site, node))
-    except NotFoundError:
-        subject = control_command_subject(site, node)
-        try:
-            stream = await js.stream_info(STREAM_CONTROL, subjects_filter=subject)
-        except NotFoundError:
-            return 0
-        return int((stream.state.subjects or {}).get(subject, 0))
-    return (info.num_pending or 0) + (info.num_ack_pending or 0)
+@dataclass(frozen=True, slots=True)
+class Mailboxes:
+    """The control stream's side: commands stored per mailbox subject, the number of
+    mailboxes (consumers) and the stream's consumer limit as the server applies it (-1:
+    none; a stream that sets none has nats-server 2.15's default, 1000)."""
+
+    depths: dict[str, int]
+    count: int
+    limit: int
+
+    @property
+    def full(self) -> bool:
+        """At its consumer limit: a node starting now is refused its mailbox."""
+        return self.limit > 0 and self.count >= self.limit
+
+    def depth(self, site: str, node: str) -> int:
+        return self.depths.get(control_command_subject(site, node), 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """The announced nodes (of one site, or all) and the control stream's mailboxes."""
+
+    rows: list[NodeRow]
+    mailboxes: Mailboxes
+    site: str | None = None
+
+    @property
+    def announced(self) -> int:
+        return len(self.rows)
+
+    def summary(self) -> str:
+        """``N announced, M mailboxes`` (with a site: M still counts every site's)."""
+        where = f" at site {self.site}" if self.site else ""
+        every = " (all sites)" if self.site else ""
+        limit = self.mailboxes.limit
+        cap = f" of at most {limit} (control_max_consumers)" if limit > 0 else ""
+        return f"{self.announced} announced{where}, {self.mailboxes.count} mailboxes{every}{cap}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "announced": self.announced,
+            "mailboxes": self.mailboxes.count,
+            "mailbox_limit": self.mailboxes.limit,
+            "site": self.site,
+            "nodes": [row.to_dict() for row in self.rows],
+        }
 
 
 async def announcements(js: JetStreamContext, site: str | None = None) -> list[Announcement]:
-    """Every announcement in the presence bucket (of ``site`` only, when given), sorted."""
-    prefix = f"{validate_token(site, 'site')}." if site else ""
+    """Every announcement in the presence bucket (of ``site`` only, when given), sorted by
+    site and node; raises ``IncompleteListing`` rather than return part of them."""
+    keys = f"{validate_token(site, 'site')}.*" if site else ">"
     try:
-        kv = await js.key_value(NODES_BUCKET)
-        keys = await kv.keys()  # nats-py's own filter matches substrings, not subjects
-    except (BucketNotFoundError, NoKeysError, NotFoundError):
+        entries = await read_bucket(js, NODES_BUCKET, keys)
+    except NotFoundError:  # no bucket: no node ever announced
         return []
-    notes = []
-    for key in sorted(k for k in keys if k.startswith(prefix)):
+    notes = [Announcement.decode(entries[key].data) for key in sorted(entries)]
+    return [note for note in notes if note is not None]
+
+
+async def mailboxes(js: JetStreamContext, site: str | None = None) -> Mailboxes:
+    """The stored commands per mailbox (of ``site``'s, when given), the mailboxes and their
+    limit, from the control stream's info: one request per 100,000 mailboxes with commands.
+
+    In a work-queue stream a command stays stored until its node acknowledges it, so the
+    count per subject is the node's pending plus unacknowledged commands, and it is there
+    before the node ever started.
+    """
+    pattern = f"control.cmd.{validate_token(site, 'site')}.*" if site else "control.cmd.>"
+    depths: dict[str, int] = {}
+    count, limit = 0, -1
+    while True:
         try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:  # deleted between listing and reading
-            continue
-        note = Announcement.decode(entry.value or b"")
-        if note is not None:
-            notes.append(note)
-    return notes
+            info = await js_api(
+                js,
+                f"STREAM.INFO.{STREAM_CONTROL}",
+                {"subjects_filter": pattern, "offset": len(depths)},
+            )
+        except NotFoundError:  # not provisioned yet: no mailbox
+            return Mailboxes({}, 0, -1)
+        state = info.get("state") or {}
+        page: dict[str, int] = state.get("subjects") or {}
+        depths.update(page)
+        count = int(state.get("consumer_count") or 0)
+        limit = consumer_limit((info.get("config") or {}).get("max_consumers"))
+        if not page or len(depths) >= int(info.get("total") or 0):
+            return Mailboxes(depths, count, limit)
+
+
+async def survey(js: JetStreamContext, site: str | None = None) -> Fleet:
+    """Every node the presence data knows (of ``site`` only, when given), by site and name,
+    with its mailbox depth, and the mailboxes of the control stream."""
+    notes = await announcements(js, site)
+    boxes = await mailboxes(js, site)
+    rows = [NodeRow(n, liveness(n), boxes.depth(n.site, n.node)) for n in notes]
+    return Fleet(rows, boxes, site)
 
 
 async def list_nodes(js: JetStreamContext, site: str | None = None) -> list[NodeRow]:
-    """Every node the presence data knows (of ``site`` only, when given), by site and name."""
-    rows = []
-    for note in await announcements(js, site):
-        depth = await mailbox_depth(js, note.site, note.node)
-        rows.append(NodeRow(note, liveness(note), depth))
-    return rows
+    """The rows of ``survey``: every node the presence data knows, by site and name."""
+    return (await survey(js, site)).rows

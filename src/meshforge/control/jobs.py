@@ -26,12 +26,14 @@ from typing import Any, Literal
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from meshforge.envelope import now_ts
 from meshforge.errors import ConfigError, MeshForgeError
 from meshforge.topology.subjects import JOBS_BUCKET, validate_token
+from meshforge.transport.buckets import key_value
+from meshforge.transport.listing import read_bucket
 
 __all__ = [
     "FAILED_STATES",
@@ -45,6 +47,7 @@ __all__ = [
     "NodeState",
     "attempt_id",
     "job_canceled",
+    "jobs_bucket",
 ]
 
 NodeState = Literal[
@@ -153,27 +156,21 @@ class NodeJob:
         return cls(**json.loads(data))
 
 
-async def _bucket(js: JetStreamContext, *, create: bool) -> KeyValue | None:
-    try:
-        return await js.key_value(JOBS_BUCKET)
-    except BucketNotFoundError:
-        if not create:
-            return None
+async def jobs_bucket(js: JetStreamContext, *, create: bool, replicas: int = 1) -> KeyValue | None:
+    """The ``MESHFORGE_JOBS`` bucket; created when missing and ``create`` (else None)."""
     config = KeyValueConfig(
         bucket=JOBS_BUCKET,
         description="MeshForge jobs: spec, status and per-node state",
         history=1,
         storage=StorageType.FILE,
+        replicas=replicas,
     )
-    try:
-        return await js.create_key_value(config)
-    except Exception:  # created by another process between our look and our create
-        return await js.key_value(JOBS_BUCKET)
+    return await key_value(js, config, create=create)
 
 
 async def job_canceled(js: JetStreamContext, job: str) -> bool:
     """Whether ``job`` was canceled (what a node asks before running a job's command)."""
-    kv = await _bucket(js, create=False)
+    kv = await jobs_bucket(js, create=False)
     if kv is None:
         return False
     try:
@@ -186,15 +183,16 @@ async def job_canceled(js: JetStreamContext, job: str) -> bool:
 class JobStore:
     """The jobs bucket: create, read and update jobs and their nodes' states."""
 
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, js: JetStreamContext) -> None:
         self.kv = kv
+        self.js = js
 
     @classmethod
     async def open(cls, js: JetStreamContext, *, create: bool = True) -> JobStore:
-        kv = await _bucket(js, create=create)
+        kv = await jobs_bucket(js, create=create)
         if kv is None:
             raise MeshForgeError(f"no jobs yet (the bucket {JOBS_BUCKET} does not exist)")
-        return cls(kv)
+        return cls(kv, js)
 
     async def create(self, spec: JobSpec) -> None:
         """Store a new job with every node QUEUED; refuses a job name already used."""
@@ -223,36 +221,14 @@ class JobStore:
         return f"$KV.{JOBS_BUCKET}.node.{job}.{record.site}.{record.node}"
 
     async def nodes(self, job: str) -> dict[str, NodeJob]:
-        """Every target's record, by ``<site>.<node>``."""
-        out = {}
-        for value in await self._read(f"node.{job}.>"):
-            record = NodeJob.decode(value)
-            out[record.key] = record
-        # A record rewritten while the bucket was listed can be missing from the listing
-        # (its old revision gone, the new one after the listing's end): read it directly.
-        for site, node in (await self.spec(job)).targets:
-            if f"{site}.{node}" not in out:
-                try:
-                    entry = await self.kv.get(f"node.{job}.{site}.{node}")
-                except KeyNotFoundError:
-                    continue
-                if entry.value:
-                    record = NodeJob.decode(entry.value)
-                    out[record.key] = record
-        return out
+        """Every target's record, by ``<site>.<node>`` (one listing, never silently short)."""
+        records = [NodeJob.decode(v) for v in await self._read(f"node.{job}.>")]
+        return {record.key: record for record in records}
 
-    async def _read(self, pattern: str) -> list[bytes]:
-        watcher = await self.kv.watch(pattern, ignore_deletes=True)
-        values = []
-        try:
-            async for entry in watcher:
-                if entry is None:  # the end of what is stored now
-                    break
-                if entry.value:
-                    values.append(entry.value)
-        finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]
-        return values
+    async def _read(self, keys: str) -> list[bytes]:
+        """The values of the live keys matching ``keys``, in key order."""
+        entries = await read_bucket(self.js, JOBS_BUCKET, keys)
+        return [entries[key].data for key in sorted(entries) if entries[key].data]
 
     async def set_status(self, job: str, status: str, reason: str | None = None) -> None:
         body = {"status": status, "reason": reason, "at": now_ts()}

@@ -35,6 +35,7 @@ from nats.js.kv import KeyValue
 from meshforge.envelope import now_ts
 from meshforge.errors import one_line
 from meshforge.topology.subjects import NODES_BUCKET, validate_token
+from meshforge.transport.buckets import key_value
 
 __all__ = [
     "NODES_BUCKET",
@@ -111,11 +112,6 @@ class Announcement:
 
 async def nodes_bucket(js: JetStreamContext, *, create: bool, replicas: int = 1) -> KeyValue | None:
     """The ``MESHFORGE_NODES`` bucket; created when missing and ``create`` (else None)."""
-    try:
-        return await js.key_value(NODES_BUCKET)
-    except BucketNotFoundError:
-        if not create:
-            return None
     config = KeyValueConfig(
         bucket=NODES_BUCKET,
         description="MeshForge node presence: the latest announcement per <site>.<node>",
@@ -123,10 +119,7 @@ async def nodes_bucket(js: JetStreamContext, *, create: bool, replicas: int = 1)
         storage=StorageType.FILE,
         replicas=replicas,
     )
-    try:
-        return await js.create_key_value(config)
-    except Exception:  # another node created it between our look and our create
-        return await js.key_value(NODES_BUCKET)
+    return await key_value(js, config, create=create)
 
 
 async def read_announcement(js: JetStreamContext, site: str, node: str) -> Announcement | None:

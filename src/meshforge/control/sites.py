@@ -27,10 +27,10 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from nats.js import JetStreamContext
-from nats.js.api import ExternalStream, KeyValueConfig, StorageType, StreamSource
+from nats.js.api import ExternalStream, StreamSource
 
 from meshforge.config import Settings, load_settings
-from meshforge.control.jobs import JOBS_BUCKET
+from meshforge.control.jobs import JOBS_BUCKET, jobs_bucket
 from meshforge.control.presence import NODES_BUCKET, nodes_bucket
 from meshforge.errors import ServerError
 from meshforge.topology.provision import ensure
@@ -162,15 +162,6 @@ def _external(domain: str, stream: str, subject: str | None = None) -> StreamSou
     )
 
 
-async def _jobs_bucket(js: JetStreamContext, settings: Settings) -> None:
-    try:
-        await js.key_value(JOBS_BUCKET)
-    except Exception:  # missing: create it (a race with another creator is harmless)
-        config = KeyValueConfig(bucket=JOBS_BUCKET, history=1, storage=StorageType.FILE,
-                                replicas=settings.replicas)  # fmt: skip
-        await js.create_key_value(config)
-
-
 async def link_site(
     site_url: str,
     site: str,
@@ -193,10 +184,10 @@ async def link_site(
         streams = default_streams(settings)
         await ensure(local, streams, [])
         await nodes_bucket(local, create=True, replicas=settings.replicas)
-        await _jobs_bucket(local, settings)
+        await jobs_bucket(local, create=True, replicas=settings.replicas)
         await ensure(hub, streams, [])
         await nodes_bucket(hub, create=True, replicas=settings.replicas)
-        await _jobs_bucket(hub, settings)
+        await jobs_bucket(hub, create=True, replicas=settings.replicas)
         wiring: Sequence[tuple[JetStreamContext, str, StreamSource, str]] = (
             (local, STREAM_CONTROL, _external(hub_domain, STREAM_CONTROL, f"control.cmd.{site}.>"),
              f"{site}: {STREAM_CONTROL} sources the hub's control.cmd.{site}.>"),

@@ -51,6 +51,7 @@ from meshforge.envelope import Envelope
 from meshforge.errors import MissingTopology, one_line
 from meshforge.topology.specs import js_api
 from meshforge.topology.subjects import command_parts, partitioned_command_subject
+from meshforge.transport.buckets import key_value
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -133,14 +134,12 @@ def worker_id() -> str:
 async def ensure_bucket(js: JetStreamContext, settings: Settings) -> KeyValue:
     """Create the ownership bucket (TTL ``settings.partition_lease``) or align its TTL; idempotent."""
     lease = settings.partition_lease
-    try:
-        kv = await js.key_value(BUCKET)
-    except BucketNotFoundError:
-        config = KeyValueConfig(
-            bucket=BUCKET, description="MeshForge partition ownership", history=1, ttl=lease,
-            storage=StorageType(settings.storage), replicas=settings.replicas,
-        )  # fmt: skip
-        return await js.create_key_value(config)
+    config = KeyValueConfig(
+        bucket=BUCKET, description="MeshForge partition ownership", history=1, ttl=lease,
+        storage=StorageType(settings.storage), replicas=settings.replicas,
+    )  # fmt: skip
+    kv = await key_value(js, config)
+    assert kv is not None  # created when missing
     status = await kv.status()
     if status.ttl != lease:
         stream = status.stream_info.config

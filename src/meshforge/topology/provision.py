@@ -28,10 +28,11 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamManager
 from nats.js.api import ConsumerConfig, StreamConfig, StreamInfo
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from meshforge.errors import MissingTopology, OverlapError, TopologyError, one_line
 from meshforge.topology.specs import (
+    SERVER_DEFAULT_CONSUMERS,
     Action,
     ApplyReport,
     Change,
@@ -47,7 +48,7 @@ from meshforge.topology.specs import (
     js_api,
     policy_name,
 )
-from meshforge.topology.subjects import find_overlaps, overlaps
+from meshforge.topology.subjects import STREAM_CONTROL, find_overlaps, overlaps
 
 __all__ = [
     "Action",
@@ -64,6 +65,8 @@ __all__ = [
 
 log = logging.getLogger("meshforge.provision")
 T = TypeVar("T")
+# The server's error code for a consumer past its stream's max_consumers.
+_CONSUMER_LIMIT = 10026
 
 
 # ------------------------------------------------------------------ reading the server
@@ -107,6 +110,40 @@ async def _existing_consumers(js: JetStreamManager, stream: str) -> dict[str, Co
     return dict(await _list_all(fetch))
 
 
+async def _named_consumers(
+    js: JetStreamManager, stream: str, durables: Sequence[str]
+) -> dict[str, ConsumerConfig]:
+    """The configs of these consumers only, one info request each (read raw, as above)."""
+    found: dict[str, ConsumerConfig] = {}
+    for durable in durables:
+        try:
+            info = await js_api(js, f"CONSUMER.INFO.{stream}.{durable}")
+        except NotFoundError:
+            continue
+        found[durable] = GroupedConsumerConfig.from_response(info["config"])
+    return found
+
+
+async def _consumers_of(
+    js: JetStreamManager, stream: str, specs: Sequence[ConsumerSpec]
+) -> dict[str, ConsumerConfig]:
+    """What ``plan`` needs to know of ``stream``'s consumers to plan ``specs``.
+
+    A spec with a wildcard filter is checked against every other consumer (on a work-queue
+    stream their filters must not overlap): the stream's consumers are listed. Specs with
+    literal filters only (a node's mailbox) are read by name: a node's start then costs
+    the same with 10 or 10,000 other nodes, and a filter that overlaps a wildcard
+    consumer's is refused by the server when it is created, naming the cause.
+    """
+    if any(_wildcard(s.filter_subject) for s in specs):
+        return await _existing_consumers(js, stream)
+    return await _named_consumers(js, stream, [s.durable for s in specs])
+
+
+def _wildcard(subject: str) -> bool:
+    return any(token in ("*", ">") for token in subject.split("."))
+
+
 def _unique(names: Sequence[str], what: str) -> None:
     seen: set[str] = set()
     for name in names:
@@ -124,7 +161,7 @@ async def plan(
     try:
         existing = await _existing_streams(js)
         consumers_now = {
-            name: await _existing_consumers(js, name)
+            name: await _consumers_of(js, name, [c for c in consumers if c.stream == name])
             for name in sorted({c.stream for c in consumers} & set(existing))
         }
     except asyncio.CancelledError:
@@ -300,6 +337,7 @@ async def _execute(js: JetStreamManager, step: Step) -> None:
             "max_age",
             "max_bytes",
             "allow_msg_ttl",
+            "max_consumers",
         )
         updated = step.current.evolve(
             metadata=_own_metadata(step.current.metadata),
@@ -350,6 +388,8 @@ async def apply(js: JetStreamManager, planned: Plan) -> ApplyReport:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any server or transport error stops the run here
+            if isinstance(step.spec, ConsumerSpec) and _at_consumer_limit(exc):
+                raise TopologyError(_limit_reached(step.spec, planned)) from exc
             not_done = ", ".join(str(s) for s in pending[index + 1 :]) or "nothing else"
             raise TopologyError(
                 f"{step} failed: {_why(js, exc)}; done: "
@@ -370,6 +410,36 @@ async def ensure(
         report = await ensure(conn.js, default_streams(settings), [agent_consumer("order", settings)])
     """
     return await apply(js, await plan(js, streams, consumers))
+
+
+def _at_consumer_limit(exc: BaseException) -> bool:
+    return isinstance(exc, APIError) and exc.err_code == _CONSUMER_LIMIT
+
+
+def _limit_reached(spec: ConsumerSpec, planned: Plan) -> str:
+    """One line: which stream is full, at what limit, and the setting that raises it."""
+    limits = [
+        s.spec.max_consumers
+        for s in planned.steps
+        if isinstance(s.spec, StreamSpec) and s.spec.name == spec.stream
+    ]
+    if limits and limits[0] < 1:  # the stream sets none: the account's or the server's
+        return (
+            f"consumer {spec.durable} refused: stream {spec.stream} sets no consumer limit, "
+            "but the account's max_consumers or the server's jetstream default_max_consumers "
+            f"({SERVER_DEFAULT_CONSUMERS} on nats-server 2.15) is reached; raise that limit"
+        )
+    at = f" of {limits[0]}" if limits else ""
+    fix = (
+        "raise the setting control_max_consumers (MESHFORGE_CONTROL_MAX_CONSUMERS; -1: "
+        "unlimited) and run `meshforge provision`"
+        if spec.stream == STREAM_CONTROL
+        else f"raise stream {spec.stream}'s max_consumers"
+    )
+    return (
+        f"consumer {spec.durable} refused: stream {spec.stream} is at its consumer "
+        f"limit{at} (max_consumers); {fix}"
+    )
 
 
 # ------------------------------------------------------------------ least privilege

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OWNER_GROUP",
+    "SERVER_DEFAULT_CONSUMERS",
+    "UNLIMITED_CONSUMERS",
     "Action",
     "ApplyReport",
     "Change",
@@ -59,6 +61,7 @@ __all__ = [
     "Verification",
     "agent_consumer",
     "agent_durable",
+    "consumer_limit",
     "consumer_replicas",
     "default_streams",
     "js_api",
@@ -92,6 +95,9 @@ class StreamSpec:
     description: str = ""
     # Per-message TTL (header Nats-TTL, nats-server 2.11+): a letter leaves when it expires.
     allow_msg_ttl: bool = False
+    # Consumers the stream takes (-1: unlimited). Set on purpose, never left to a default:
+    # a server refuses the consumer past it, and a node without one never starts.
+    max_consumers: int = -1
 
     def __post_init__(self) -> None:
         for subject in self.subjects:
@@ -111,7 +117,31 @@ class StreamSpec:
             max_age=self.max_age,
             max_bytes=self.max_bytes,
             allow_msg_ttl=self.allow_msg_ttl or None,
+            max_consumers=UNLIMITED_CONSUMERS if self.max_consumers < 1 else self.max_consumers,
         )
+
+
+#: What "unlimited" consumers is written as: the largest limit a stream takes. Since
+#: nats-server 2.15 a stream without a limit of its own (0 or -1) gets the server's
+#: ``jetstream.limits.default_max_consumers``, 1000 unless configured: a fleet of nodes
+#: (one consumer each) would stop at the 1,001st without a word in the stream's config.
+UNLIMITED_CONSUMERS = 2**31 - 1
+#: The limit nats-server 2.15+ puts on a stream that sets none (its default_max_consumers).
+SERVER_DEFAULT_CONSUMERS = 1000
+
+
+def consumer_limit(max_consumers: int | None) -> int:
+    """A stream's consumer limit as the server applies it: -1 for unlimited, else the number
+    (a stream that sets none gets nats-server 2.15's default).
+
+    >>> consumer_limit(UNLIMITED_CONSUMERS), consumer_limit(3), consumer_limit(-1)
+    (-1, 3, 1000)
+    """
+    if max_consumers is not None and max_consumers >= UNLIMITED_CONSUMERS:
+        return -1
+    if max_consumers is not None and max_consumers > 0:
+        return max_consumers
+    return SERVER_DEFAULT_CONSUMERS
 
 
 #: The priority group of a partition durable: its one pinned client is the partition's owner.
@@ -236,6 +266,7 @@ def default_streams(settings: Settings) -> list[StreamSpec]:
         discard: Discard,
         what: str,
         ttl: bool = False,
+        max_consumers: int = -1,
     ) -> StreamSpec:
         return StreamSpec(
             name=name,
@@ -249,13 +280,22 @@ def default_streams(settings: Settings) -> list[StreamSpec]:
             discard=discard,
             description=f"MeshForge {what}",
             allow_msg_ttl=ttl,
+            max_consumers=max_consumers,
         )
 
     return [
         spec(STREAM_COMMANDS, "cmd.>", "workqueue", "new", "commands to agents"),
         spec(STREAM_EVENTS, "evt.>", "limits", "old", "events from agents"),
         spec(STREAM_FAILED, "failed.>", "limits", "new", "dead letters"),
-        spec(STREAM_CONTROL, "control.cmd.>", "workqueue", "new", "node mailboxes", ttl=True),
+        spec(
+            STREAM_CONTROL,
+            "control.cmd.>",
+            "workqueue",
+            "new",
+            "node mailboxes",
+            ttl=True,
+            max_consumers=settings.control_max_consumers,
+        ),
         spec(STREAM_REPLIES, "control.reply.>", "limits", "old", "node replies"),
     ]
 
@@ -527,7 +567,14 @@ def describe_stream(cfg: StreamConfig) -> dict[str, str]:
         "max_age": format_duration(cfg.max_age) if cfg.max_age else "unlimited",
         "max_bytes": str(cfg.max_bytes) if cfg.max_bytes and cfg.max_bytes > 0 else "unlimited",
         "allow_msg_ttl": "yes" if cfg.allow_msg_ttl else "no",
+        "max_consumers": _consumers_shown(cfg.max_consumers),
     }
+
+
+def _consumers_shown(max_consumers: int | None) -> str:
+    if not max_consumers or max_consumers < 1:
+        return f"server default ({SERVER_DEFAULT_CONSUMERS} on nats-server 2.15)"
+    return "unlimited" if max_consumers >= UNLIMITED_CONSUMERS else str(max_consumers)
 
 
 def describe_consumer(cfg: ConsumerConfig, stream_replicas: int | None = None) -> dict[str, str]:
