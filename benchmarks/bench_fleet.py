@@ -17,7 +17,8 @@ It measures and prints, each with its floor (issue 36) and whether it is met:
 - N7 (reported) the server's RSS and JetStream API requests per node: at start, and per
   second while the fleet is idle (its announcements and probes only).
 
-The control stream is provisioned with no consumer limit (one consumer per node).
+The control stream is provisioned as ``meshforge provision`` does: no consumer limit
+(``control_max_consumers``), one consumer per node.
 
     python benchmarks/bench_fleet.py [--quick] [--sizes 1000,3000] [--procs 4] [--rate 200]
 """
@@ -54,7 +55,6 @@ from meshforge.control.jobs import JobSpec, JobStore, attempt_id
 from meshforge.control.rollout import JobController
 from meshforge.topology.provision import ensure
 from meshforge.topology.specs import default_streams
-from meshforge.topology.subjects import STREAM_CONTROL
 from meshforge.transport.connection import connect
 from meshforge.transport.server import EmbeddedServer
 
@@ -178,15 +178,11 @@ async def drive(url: str, job: str) -> tuple[str, float, float, float]:
 
 
 async def provision(url: str) -> None:
-    """The five streams, the control stream first with no consumer limit: a node per
-    consumer, and a server's default would refuse nodes past it."""
+    """The five streams; the control stream takes a consumer per node with no limit (the
+    setting ``control_max_consumers``, unlimited by default)."""
     settings = load_settings({"nats_url": url}, env={})
     conn = await connect(settings, name="bench-fleet-provision")
-    specs = default_streams(settings)
-    control = next(s for s in specs if s.name == STREAM_CONTROL).config()
-    control.max_consumers = -1
-    await conn.js.add_stream(control)
-    await ensure(conn.js, specs, [])
+    await ensure(conn.js, default_streams(settings), [])
     await conn.close()
 
 
