@@ -15,12 +15,13 @@ It measures and prints, each with its floor (issue 36) and whether it is met:
   the console's overview, nodes and job pages: each under 1 s (median of 3); each
   command's whole time, interpreter start included, is printed beside;
 - N7 (reported) the server's RSS and JetStream API requests per node: at start, and per
-  second while the fleet is idle (its announcements and probes only).
+  second while the fleet is idle (its announcements and probes only); and what a site
+  adds to its hub (``--sites`` site servers linked as ``meshforge server --leaf`` does).
 
 The control stream is provisioned as ``meshforge provision`` does: no consumer limit
 (``control_max_consumers``), one consumer per node.
 
-    python benchmarks/bench_fleet.py [--quick] [--sizes 1000,3000] [--procs 4] [--rate 200]
+    python benchmarks/bench_fleet.py [--quick] [--sizes 1000,3000] [--procs 4] [--rate 200] [--sites 10]
 """
 
 from __future__ import annotations
@@ -334,6 +335,67 @@ def measure(size: int, procs: int, rate: float, home: Path) -> Result:
     return result
 
 
+def hub_idle(hub: EmbeddedServer) -> tuple[float, float, float, float]:
+    """The hub over an idle window: RSS bytes, API requests/s, messages in/s, CPU s/s."""
+    api0, msgs0 = api_requests(hub), int(monitor(hub, "varz")["in_msgs"])
+    cpu0 = cpu_seconds(hub)
+    time.sleep(IDLE_WINDOW)  # the window measured
+    varz = monitor(hub, "varz")
+    return (
+        float(varz["mem"]),
+        (api_requests(hub) - api0) / IDLE_WINDOW,
+        (int(varz["in_msgs"]) - msgs0) / IDLE_WINDOW,
+        (cpu_seconds(hub) - cpu0) / IDLE_WINDOW,
+    )
+
+
+def measure_sites(count: int, home: Path) -> None:
+    """What a site adds to its hub: ``count`` site servers linked as ``meshforge server
+    --leaf`` links them (four sources), no nodes; the hub idle before and after."""
+    from meshforge.control.sites import hub_leaf_port, hub_server, link_site, site_server
+
+    sites: list[EmbeddedServer] = []
+    with hub_server(home / "hub", leaf_port=0) as hub:
+        settings = load_settings({"nats_url": hub.url}, env={})
+        asyncio.run(provision(hub.url))
+        before = hub_idle(hub)
+        leaf = f"nats-leaf://127.0.0.1:{hub_leaf_port(hub)}"
+        try:
+            for i in range(count):
+                site = site_server(f"site{i}", leaf, store_dir=home / f"site{i}")
+                sites.append(site.start())
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        asyncio.run(link_site(site.url, f"site{i}", settings=settings, timeout=2))
+                        break
+                    except Exception:  # the leaf link is still coming up
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.5)  # polling the link with a deadline
+            after = hub_idle(hub)
+        finally:
+            for site in sites:
+                site.close()
+    added = [(a - b) / count for a, b in zip(after, before, strict=True)]
+    table = Table(
+        title=f"what a site adds to the hub: {count} sites linked, no nodes ({machine()})"
+    )
+    table.add_column("hub figure")
+    table.add_column("before", justify="right")
+    table.add_column(f"{count} sites", justify="right")
+    table.add_column("per site", justify="right")
+    names = ("RSS", "API requests/s idle", "messages in/s idle", "CPU, % of a core")
+    scale = (2**-20, 1.0, 1.0, 100.0)
+    units = (" MiB", "", "", "%")
+    for name, b, a, d, k, u in zip(names, before, after, added, scale, units, strict=True):
+        table.add_row(name, f"{b * k:,.2f}{u}", f"{a * k:,.2f}{u}", f"{d * k:,.3f}{u}")
+    console.print(table)
+    floor("N7", f"what a site adds to its hub ({count} linked, no nodes): RSS, API requests/s idle",
+          f"{added[0] / 1024:.0f} KiB, {added[1]:.3f}", "reported", met=None,
+          note=f"messages in/s {added[2]:.3f}, CPU {added[3] * 100:.2f}% of a core")  # fmt: skip
+
+
 def show(r: Result, rate: float) -> None:
     table = Table(title=f"{r.size:,} simulated nodes on one nats-server ({machine()})")
     table.add_column("figure")
@@ -388,12 +450,18 @@ def main() -> int:
     parser.add_argument("--sizes", default=None, help="comma-separated, e.g. 1000,3000")
     parser.add_argument("--procs", type=int, default=4, help="node processes")
     parser.add_argument("--rate", type=float, default=200.0, help="the job's commands per second")
+    parser.add_argument(
+        "--sites", type=int, default=10, help="sites linked to measure a site's cost"
+    )
     args = parser.parse_args()
     # A stopped benchmark still stops its node processes and server (the finally blocks).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = [
         int(s) for s in (args.sizes or ("1000" if args.quick else "1000,3000,10000")).split(",")
     ]
+    if args.sites:
+        with tempfile.TemporaryDirectory(prefix="bench-fleet-sites-") as tmp:
+            measure_sites(args.sites, Path(tmp))
     results = []
     for size in sizes:
         with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
