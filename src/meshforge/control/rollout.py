@@ -151,6 +151,10 @@ class Ledger:
         if record.state == "IN_PROGRESS" and record.sent_at and new_attempt:
             self._flight.append((record.sent_at, record.key, record.attempt))
 
+    def again(self, record: NodeJob) -> None:
+        """Give ``record`` (still ``QUEUED``: taken, but not sent) out again, before the rest."""
+        self._again.append(record.key)
+
     def next_queued(self) -> NodeJob | None:
         """The next node waiting to be sent (the caller sends it now), or None."""
         while self._again:
@@ -527,8 +531,9 @@ class JobController:
             await self._send(spec, batch)
 
     async def _send(self, spec: JobSpec, batch: list[NodeJob]) -> None:
-        """Publish the batch's commands pipelined, then record each one stored as sent; a
-        command the server refused fails the controller once the others are recorded."""
+        """Publish the batch's commands pipelined, then record each one stored as sent. One
+        the server did not take in time goes back to the queue (sent again with the same
+        id: stored once); one it refused fails the controller once the others are recorded."""
         ttl = self._ttl(spec)
         items = [
             self.client.command(
@@ -543,7 +548,13 @@ class JobController:
         refused: PublishError | None = None
         for record, item, outcome in zip(batch, items, outcomes, strict=True):
             if isinstance(outcome, PublishError):
-                refused = refused or outcome
+                if outcome.retriable:
+                    log.warning(
+                        "job %s: %s not sent, sending again: %s", self.job, record.key, outcome
+                    )
+                    self.ledger.again(record)
+                else:
+                    refused = refused or outcome
                 continue
             self.sent += 1
             crash_point("job_after_send")
