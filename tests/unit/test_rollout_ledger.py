@@ -144,3 +144,10 @@ def test_the_pacer_sends_at_the_asked_rate_over_many_slots() -> None:
 def test_without_a_rate_everything_goes_at_once() -> None:
     assert Pacer(None).take(0.0, most=256) == 256
     assert Pacer(None).take(0.0, most=0) == 0
+
+
+def test_a_node_taken_but_not_sent_is_given_out_again_first() -> None:
+    ledger = Ledger(_targets(3), {})
+    taken = ledger.next_queued() or NodeJob("x", "x")
+    ledger.again(taken)  # its command was not acknowledged in time
+    assert [r.node for r in iter(ledger.next_queued, None)] == ["n0", "n1", "n2"]
