@@ -123,9 +123,10 @@ def test_the_pacer_keeps_the_schedule_and_makes_up_a_late_wake_up() -> None:
 
 
 def test_the_pacer_does_not_make_up_a_long_stall_nor_crowd_slow_sends() -> None:
-    fast = Pacer(6000)
+    fast = Pacer(6000)  # 100/s: up to 0.2 s of delay made up
     fast.take(0.0, most=1000)
-    assert fast.take(1.0, most=1000) == 6  # a 1 s stall: only 50 ms of it made up
+    assert 20 <= fast.take(1.0, most=1000) <= 21  # a 1 s stall: the slots of its last 0.2 s go
+    assert fast.take(1.0, most=1000) + fast.take(1.0, most=1000) <= 1 and fast.wait(1.0) <= 0.0101
     slow = Pacer(120)  # a slot every 0.5 s
     slow.take(0.0, most=10)
     assert slow.take(0.8, most=10) == 1  # 0.3 s late
@@ -151,3 +152,11 @@ def test_a_node_taken_but_not_sent_is_given_out_again_first() -> None:
     taken = ledger.next_queued() or NodeJob("x", "x")
     ledger.again(taken)  # its command was not acknowledged in time
     assert [r.node for r in iter(ledger.next_queued, None)] == ["n0", "n1", "n2"]
+
+
+def test_the_pacer_makes_up_more_delay_the_faster_it_sends() -> None:
+    assert [Pacer(r * 60).catch_up for r in (1, 25, 100, 500, 5000)] == [0.05, 0.05, 0.2, 1.0, 1.0]
+    ten = Pacer(600)  # 10/s: one at a time, whatever the wake-ups
+    assert ten.take(0.0, most=5) == 1 and ten.take(0.149, most=5) == 1
+    assert ten.take(0.19, most=5) == 0  # the next slot keeps its place (0.2): never two at once
+    assert ten.take(0.2, most=5) == 1

@@ -71,8 +71,9 @@ _FROM_REPLY: dict[str, NodeState] = {
 }
 # Replies are read from a little before the job was created: clock skew hides none.
 _LOOKBACK = timedelta(seconds=5)
-# How late a send may be and still be made up by sending the next ones sooner (Pacer).
-_CATCH_UP = 0.05
+# How late a send may be and still be made up by sending the next ones sooner (Pacer):
+# rate/500 seconds (a fifth of a second at 100/s, one at 500/s), at least 50 ms.
+_CATCH_UP_MIN, _CATCH_UP_MAX = 0.05, 1.0
 # The most commands sent in one batch (their PubAcks awaited together).
 _BATCH = 256
 
@@ -219,17 +220,22 @@ class Pacer:
 
     The sends keep to a fixed schedule, one slot a command; the slots passed since the
     last call go together (a batch, sent pipelined). Slots missed by up to ``catch_up`` s
-    are made up that way (a wake-up a few milliseconds late at 500 commands/s would
-    otherwise cost a third of the rate); a longer stall is not made up, so no burst
-    follows it, and two sends are never closer than the gap less ``catch_up``.
+    are made up that way: a wake-up a few milliseconds late, or a batch whose PubAcks
+    took a while, at 500 commands/s would otherwise cost a third of the rate. A longer
+    stall is not made up, so no burst follows it. ``catch_up`` is the rate over 500 in
+    seconds (0.2 s at 100/s, 1 s at 500/s and more), at least 50 ms: at 25 commands/s
+    or slower two sends are never closer than the gap less 50 ms.
 
         pacer = Pacer(6000)                   # 100 a second
         n = pacer.take(time.monotonic(), most=queued)   # send n now
         await asyncio.sleep(pacer.wait(time.monotonic()))
     """
 
-    def __init__(self, per_minute: float | None, catch_up: float = _CATCH_UP) -> None:
+    def __init__(self, per_minute: float | None, catch_up: float | None = None) -> None:
         self.gap = 60.0 / per_minute if per_minute else 0.0
+        if catch_up is None:
+            per_second = 1.0 / self.gap if self.gap else 0.0
+            catch_up = min(_CATCH_UP_MAX, max(_CATCH_UP_MIN, per_second / 500))
         self.catch_up = catch_up
         self._next: float | None = None  # when the next slot opens (monotonic)
 
