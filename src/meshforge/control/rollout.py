@@ -318,7 +318,7 @@ class JobController:
         self.ledger = Ledger([], {})
         self._ids: dict[str, tuple[str, int]] = {}
         self._replies: asyncio.Queue[Reply] = asyncio.Queue()
-        self._writes = WriteThrough(conn.js)
+        self._writes = WriteThrough(store.js)  # where the store reads, its writes go
         self._pacer = Pacer(None)
         self._cancel_check = 0.0  # when to look for a cancel next (monotonic)
         self._deadline: datetime | None = None
