@@ -3,7 +3,7 @@
 Each ``bench_*.py`` starts its own embedded nats-server, measures MeshForge against a
 baseline in the same run and prints its figures; a script prints each floor it measures
 as an ``@floor`` line (see ``_floors.py``), and this runner collects them into one
-table at the end, S0, F1 to F7, C1, T1 and T2, with a row for every floor no script reported. A
+table at the end, S0, F1 to F7, C1, T1, T2 and N1 to N7, with a row for every floor no script reported. A
 script that fails is not run again: its floors show as FAILED in the table (with its
 exit status), the others still run, and the exit status says so.
 
@@ -49,6 +49,13 @@ FLOORS = {
         "typed",
     ),
     "T2": ("the same through a worker draining a backlog, its CPU a command (>= 0.95x)", "typed"),
+    "N1": ("fleet start rate, last tenth vs second tenth (>= 0.7x)", "fleet"),
+    "N2": ("every node alive in ctl nodes", "fleet"),
+    "N3": ("a job to every node at an asked 200/s, by the nodes' clocks (>= 90%)", "fleet"),
+    "N4": ("each node ran the job's command exactly once, counted by the nodes", "fleet"),
+    "N5": ("controller CPU per node, largest fleet vs smallest (<= 1.5x)", "fleet"),
+    "N6": ("ctl nodes, ctl job status, console overview/nodes/job pages (each < 1 s)", "fleet"),
+    "N7": ("server RSS and JetStream API requests per node (reported)", "fleet"),
 }
 
 

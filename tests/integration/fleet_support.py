@@ -1,4 +1,5 @@
-"""Helpers for the fleet tests: many nodes run in-process, a controller as a child process."""
+"""Helpers for the fleet tests: many nodes run in-process, a controller as a child process,
+and a whole site of nodes simulated by one consumer."""
 
 from __future__ import annotations
 
@@ -7,15 +8,21 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from control_testnode import RecordingNode
 
 from meshforge.config import Settings, load_settings
+from meshforge.control.reply import reply_envelope
 from meshforge.control.runtime import NodeRuntime
+from meshforge.envelope import decode
+from meshforge.publish.publisher import Publisher
 from meshforge.store import open_store
+from meshforge.topology.subjects import STREAM_CONTROL, control_reply_subject
 from meshforge.transport.connection import Connection, connect
+from meshforge.transport.headers import text_headers
 
 MESHFORGE = Path(sys.executable).parent / "meshforge"
 HERE = Path(__file__).resolve().parent
@@ -91,3 +98,40 @@ async def child(
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def simulated_site(conn: Connection, site: str) -> AsyncIterator[Counter[str]]:
+    """Every node of ``site`` played by one consumer of its mailboxes: each command is
+    answered ``ok`` at once. Yields how many times each command id was answered."""
+    answered: Counter[str] = Counter()
+    durable = f"sim_{site}"
+    sub = await conn.js.pull_subscribe(f"control.cmd.{site}.>", durable, stream=STREAM_CONTROL)
+    publisher = Publisher(conn.js)
+
+    async def answer() -> None:
+        while True:
+            try:
+                msgs = await sub.fetch(100, timeout=0.5)
+            except TimeoutError:  # nats-py's own, or asyncio's from inside fetch
+                continue
+            for msg in msgs:
+                command = decode(msg.data, text_headers(msg.headers))
+                node = msg.subject.rsplit(".", 1)[1]
+                reply = reply_envelope(
+                    command, site=site, node=node, status="ok", result=None, error=None,
+                    node_epoch=1,
+                )  # fmt: skip
+                await publisher.publish(control_reply_subject(site, node), reply)
+                answered[command.id] += 1
+                await msg.ack()
+
+    task = asyncio.create_task(answer())
+    try:
+        yield answered
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # raises what stopped the answering early, if anything did
+        await sub.unsubscribe()
+        await conn.js.delete_consumer(STREAM_CONTROL, durable)

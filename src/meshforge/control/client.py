@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -26,9 +26,9 @@ from nats.js.errors import NotFoundError
 from meshforge.config import Settings, parse_duration
 from meshforge.control.presence import Announcement, read_announcement
 from meshforge.control.reply import REPLY_TYPE, Reply
-from meshforge.envelope import H_CAUSATION, Envelope, decode
-from meshforge.errors import ConfigError, MalformedMessage
-from meshforge.publish.publisher import Publisher
+from meshforge.envelope import H_CAUSATION, Envelope, Outbound, decode
+from meshforge.errors import ConfigError, MalformedMessage, PublishError
+from meshforge.publish.publisher import Publisher, PublishResult
 from meshforge.topology.subjects import (
     STREAM_CONTROL,
     STREAM_REPLIES,
@@ -174,7 +174,7 @@ class ControlClient:
         self.source = source
         self._sent_at: dict[str, datetime] = {}
 
-    async def send(
+    def command(
         self,
         site: str,
         node: str,
@@ -187,11 +187,8 @@ class ControlClient:
         command_id: str | None = None,
         job: str | None = None,
         ttl: float | None = None,
-    ) -> str:
-        """Drop a command into the node's mailbox; returns its id (the server stores it even
-        while the node is down). ``command_id`` makes a re-send the same command; ``job``
-        names the job it belongs to (a canceled job's commands are answered ``canceled``);
-        ``ttl`` (seconds) has the server remove the letter once it expires (``Nats-TTL``)."""
+    ) -> Outbound:
+        """The command ``send`` publishes, built but not sent (``send_many`` sends many)."""
         subject = control_command_subject(site, node)
         validate_token(command, "command")
         if expect_epoch is not None and (
@@ -211,14 +208,47 @@ class ControlClient:
             fields["id"] = command_id
         if job is not None:
             fields["extra"] = {"job": validate_token(job, "job")}
-        env = Envelope.new(command, payload or {}, **fields)
-        self._sent_at[env.id] = now
-        headers = {H_TTL: ttl_header(ttl)} if ttl is not None else None
-        result = await self.publisher.publish(subject, env, headers=headers)
+        item = Outbound.of(subject, Envelope.new(command, payload or {}, **fields))
+        if ttl is not None:
+            item.headers[H_TTL] = ttl_header(ttl)
+        return item
+
+    async def send(
+        self,
+        site: str,
+        node: str,
+        command: str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        not_before: TimeSpec = None,
+        deadline: TimeSpec = None,
+        expect_epoch: int | None = None,
+        command_id: str | None = None,
+        job: str | None = None,
+        ttl: float | None = None,
+    ) -> str:
+        """Drop a command into the node's mailbox; returns its id (the server stores it even
+        while the node is down). ``command_id`` makes a re-send the same command; ``job``
+        names the job it belongs to (a canceled job's commands are answered ``canceled``);
+        ``ttl`` (seconds) has the server remove the letter once it expires (``Nats-TTL``)."""
+        now = datetime.now(UTC)
+        item = self.command(
+            site, node, command, payload, not_before=not_before, deadline=deadline,
+            expect_epoch=expect_epoch, command_id=command_id, job=job, ttl=ttl,
+        )  # fmt: skip
+        self._sent_at[item.msg_id] = now
+        result = await self.publisher.publish(
+            item.subject, item.data, headers=item.headers, msg_id=item.msg_id
+        )
         if result.duplicate:
             # The server already holds this id: its reply may be older than this send.
-            del self._sent_at[env.id]
-        return env.id
+            del self._sent_at[item.msg_id]
+        return item.msg_id
+
+    async def send_many(self, items: Sequence[Outbound]) -> list[PublishResult | PublishError]:
+        """Publish commands built by ``command``, pipelined (a window of PubAcks awaited at
+        once): each one's result, or the error that ended it, in order."""
+        return await self.publisher.publish_each(items)
 
     async def wait_reply(
         self,

@@ -146,7 +146,10 @@ class NodeJob:
         return replace(self, state=state, updated_at=now_ts(), **changes)
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":"), default=str).encode()
+        # Field by field: asdict() deep-copies every value, and a rollout writes a record
+        # twice per node.
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        return json.dumps(fields, separators=(",", ":"), default=str).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> NodeJob:
@@ -210,6 +213,12 @@ class JobStore:
 
     async def put_node(self, job: str, record: NodeJob) -> None:
         await self.kv.put(f"node.{job}.{record.site}.{record.node}", record.encode())
+
+    @staticmethod
+    def node_subject(job: str, record: NodeJob) -> str:
+        """Where ``put_node`` writes ``record``: a controller publishes its writes there
+        itself, many in flight at once, instead of waiting for each."""
+        return f"$KV.{JOBS_BUCKET}.node.{job}.{record.site}.{record.node}"
 
     async def nodes(self, job: str) -> dict[str, NodeJob]:
         """Every target's record, by ``<site>.<node>`` (one listing, never silently short)."""
