@@ -144,7 +144,9 @@ async def test_dead_letter_without_an_id_or_with_directives(
     assert stored.data == b"not json"
     with pytest.raises(ValueError, match="reason must be one of"):
         await dead_letter(pub, msg, reason="oops", error=None, consumer="c")
-    assert set(REASONS) == {"malformed", "unrecoverable", "max_deliveries", "expired", "rejected"}
+    assert set(REASONS) == {
+        "malformed", "unrecoverable", "invalid_payload", "max_deliveries", "expired", "rejected",
+    }  # fmt: skip
 
 
 async def test_redrive_moves_it_back_then_removes_it(streams: JetStreamContext, agent: str) -> None:

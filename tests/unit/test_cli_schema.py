@@ -50,10 +50,14 @@ def test_json_schema_format_writes_the_payloads_alone() -> None:
     assert done.exit_code == 0, done.output
     doc = json.loads(done.stdout)
     jsonschema.Draft202012Validator.check_schema(doc)
-    assert set(doc["$defs"]) == {
+    messages = {name for name in doc["$defs"] if name.startswith(("cmd.", "evt."))}
+    assert messages == {
         "cmd.order.create", "cmd.order.get",
         "evt.order.created", "evt.order.not_found", "evt.order.found",
     }  # fmt: skip
+    # The demo's declared payload types come along as the definitions the messages name.
+    assert {"CreateOrder", "OrderCreated"} <= set(doc["$defs"])
+    assert "CreateOrder" in json.dumps(doc["$defs"]["cmd.order.create"])
 
 
 @pytest.mark.parametrize(

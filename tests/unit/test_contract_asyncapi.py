@@ -167,7 +167,8 @@ def test_what_the_runtime_sends_fits_its_message() -> None:
     sent = Outbound.of("cmd.acme.demo.order.create", command)
     assert _errors(_body_validator(doc, "cmd.order.create", "payload"), json.loads(sent.data)) == []
     assert _errors(_body_validator(doc, "cmd.order.create", "headers"), sent.headers) == []
-    event = command.child("order.created", {"order_id": "o-1"}, position=0)
+    created = {"order_id": "o-1", "sku": "A-1", "qty": 2}  # the demo's OrderCreated
+    event = command.child("order.created", created, position=0)
     assert _errors(_body_validator(doc, "evt.order.created", "payload"), event.to_dict()) == []
     # The type is the message's: an event is not a command.
     assert _errors(_body_validator(doc, "cmd.order.create", "payload"), event.to_dict())

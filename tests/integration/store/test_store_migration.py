@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from meshforge.demo import OrderAgent
-from meshforge.runtime.agent import Event
+from meshforge.runtime.outputs import stored_event
 from meshforge.runtime.replay import replay, state_hash
 from meshforge.store import StoredEvent, open_store
 from meshforge.store import schema as schema_module
@@ -48,7 +48,7 @@ def payload(order_id: str) -> bytes:
 
 
 def snapshot(order_id: str) -> bytes:
-    created = Event("created", json.loads(payload(order_id)))
+    created = stored_event(AGENT, "order.created", payload(order_id))  # as replay reads it
     return AGENT.encode_state(AGENT.apply(AGENT.initial(), created))
 
 
