@@ -42,10 +42,13 @@ SPREAD = (
     "tests/integration/test_fuzz_hostile.py",
     "tests/integration/test_cluster.py",
 )
-#: A Spark test long enough to run beside the others on a worker of its own.
-OWN_SPARK = ("tests/spark/test_standalone.py",)
+#: Spark tests long enough to run beside the others on a worker of their own: each starts
+#: JVMs of its own (a standalone cluster, spark-submit), so the shared session's worker
+#: would otherwise run them one after the other, the suite's longest path.
+OWN_SPARK = ("tests/spark/test_standalone.py", "tests/spark/test_cli.py")
 LONGEST_FIRST = (
     "tests/spark/test_standalone.py",
+    "tests/spark/test_cli.py",
     "spark",
     "tests/chaos/test_order_checker",
     "tests/integration/test_demo_agents.py",

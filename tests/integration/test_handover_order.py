@@ -226,7 +226,7 @@ async def test_in_progress_after_the_new_owner_counted(
         await r.owning({old.pid: 3, new.pid: 2}, "both workers owning their share")
         slot = a_partition_of(await r.slots_of(old))
         names = resources_in(slot, 2)
-        await r.send(names, range(1), pause=2.2)  # over a third of the ack wait, under half
+        await r.send(names, range(1), pause=2.8)  # over a third of the ack wait, under half
         await r.send(names, range(1, 6), pause=0.4)
         await wait_until(
             lambda: at(r.ack_pending(slot), 12), timeout=20, what="12 commands held by the owner"
