@@ -181,7 +181,8 @@ async def exported(nats_url: str, tmp_path: Path) -> dict[str, dict[Any, float]]
             JobSpec(job, "echo", {}, targets=[("ops", "gone")], deadline="2020-01-01T00:00:00Z")
         )
         job_metrics = Metrics()
-        assert await JobController(conn, jobs, job, metrics=job_metrics).run() == "completed"
+        async with asyncio.timeout(60):  # a controller that never ends fails here, named
+            assert await JobController(conn, jobs, job, metrics=job_metrics).run() == "completed"
         found: dict[str, dict[Any, float]] = {}
         worker_metrics, node_metrics, relay_metrics_seen = [
             await asyncio.to_thread(scrape, p) for p in (wport, port, endpoint.port)
