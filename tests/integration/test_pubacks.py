@@ -192,3 +192,34 @@ async def test_a_source_closed_while_a_message_is_on_its_way_hands_it_back(
             lost.append(rounds)
         await js.delete_consumer(stream, durable)
     assert not lost, f"delivered but not handed back in rounds {lost} of 30"
+
+
+async def test_an_idle_source_closes_without_waiting_out_its_heartbeats(
+    conn: Connection, js: JetStreamContext, stream: str
+) -> None:
+    """A request given up on with nothing to send would end only at its expiry: close
+    does not wait two heartbeats for it (10 s here, as it did) but unsubscribes once the
+    request is quiet, and the server then serves it nothing more."""
+    subject = f"{stream.lower()}.idle"
+    await js.add_consumer(stream, durable_name="idle", ack_policy="explicit", ack_wait=60,
+                          deliver_policy="new")  # fmt: skip
+    source = PullSource(conn.nc, stream, "idle", expires=30.0, heartbeat=5.0)
+    await source.start()
+    stopping = asyncio.Event()
+    stopping.set()
+    assert (await source.fetch(4, stopping)).messages == []
+    started = time.monotonic()
+    assert await source.close() == []
+    took = time.monotonic() - started
+    assert took < 2.0, f"close took {took:.1f}s; two heartbeats are 10 s"  # 0.1 s quiet, 20x
+    # The request given up on takes nothing published after the close: the next source
+    # gets the message on its first delivery, not after a 60 s ack wait.
+    await js.publish(subject, b"after")
+    after = PullSource(conn.nc, stream, "idle")
+    await after.start()
+    got: list[Msg] = []
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        got = (await after.fetch(1)).messages
+    await after.close()
+    assert [(m.data, m.metadata.num_delivered) for m in got] == [(b"after", 1)]

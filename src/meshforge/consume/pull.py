@@ -52,6 +52,10 @@ FENCED = "423"  # the pin this client sent was revoked: another client owns the 
 _END = {"404", "408"}  # no messages / request expired: the server is alive and idle
 _MISSED_HEARTBEATS = 2
 _SLACK = 0.5
+# A request given up on at a stop is over once nothing has come for this long: the server
+# sends what it has at once, and after the unsubscribe it hands a request without interest
+# nothing more (it checks for a subscriber before each one it serves).
+_CLOSE_QUIET = 0.1
 _IDLE_MIN, _IDLE_MAX = 0.05, 1.0
 _SILENT_REBUILD = 2  # silent requests in a row before the subscription is rebuilt
 _STALL_CHECK = 10.0  # seconds of empty fetches between checks of the pending count
@@ -194,10 +198,18 @@ class PullSource:
         return await self._collect(reply, n, stop)
 
     async def _collect(
-        self, reply: str, n: int, stop: asyncio.Event | None, *, within: float | None = None
+        self,
+        reply: str,
+        n: int,
+        stop: asyncio.Event | None,
+        *,
+        within: float | None = None,
+        quiet: float | None = None,
     ) -> FetchResult:
         """The answer to request ``reply``, for ``within`` seconds at most (default: its
-        ``expires`` and some slack)."""
+        ``expires`` and some slack); silent after ``quiet`` seconds without a message or
+        status (default: two heartbeats and some slack)."""
+        silence = self.heartbeat * _MISSED_HEARTBEATS + _SLACK if quiet is None else quiet
         got: list[Msg] = []
         items = self._box.items
         start = last = time.monotonic()
@@ -208,7 +220,7 @@ class PullSource:
                 now = time.monotonic()
                 if heard:  # the messages just taken came a moment ago
                     last, heard = now, False
-                quiet_until = last + self.heartbeat * _MISSED_HEARTBEATS + _SLACK
+                quiet_until = last + silence
                 wait = min(deadline, quiet_until) - now
                 if wait <= 0:
                     if got:
@@ -252,15 +264,17 @@ class PullSource:
         return FetchResult("stopped", got)
 
     async def _await_open_request(self) -> list[Msg]:
-        """The messages of a request given up on, until the server ends it (a status, or
-        as many as it asked for), twice ``heartbeat`` at most. Unsubscribing before then
-        leaves the server free to send more to an inbox no one listens to: each would be
-        dropped and stay unacknowledged until its ack wait ran out."""
+        """The messages of a request given up on, while they keep coming: until the server
+        ends it (a status, or as many as it asked for) or goes quiet for ``_CLOSE_QUIET``,
+        twice ``heartbeat`` at most. Messages already on their way are taken here or by the
+        drain that follows, not dropped at an inbox no one listens to (each would stay
+        unacknowledged until its ack wait ran out); an idle request costs no wait."""
         if self._open is None:
             return []
         reply, remaining = self._open
         within = self.heartbeat * _MISSED_HEARTBEATS  # no end by then: the unsubscribe ends it
-        return (await self._collect(reply, remaining, None, within=within)).messages
+        found = await self._collect(reply, remaining, None, within=within, quiet=_CLOSE_QUIET)
+        return found.messages
 
     def _take_pin(self, msgs: list[Msg]) -> None:
         """The pin the server gave us, from the last message (one request, one pin)."""
