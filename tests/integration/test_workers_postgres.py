@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 from collections import defaultdict
 from datetime import UTC, datetime
@@ -87,28 +88,39 @@ async def test_three_workers_one_killed_give_exactly_one_effect_per_command(
             """Whether the worker's latest start got as far as consuming."""
             return worker.log_path.read_text().count("running order, inventory") >= worker.starts
 
-        async def kill_mid_work(worker: AgentProcess, sent: int) -> None:
-            """Kill ``worker`` once it consumes and some of the ``sent`` commands are done and
-            others in hand (a worker killed while still starting would kill nothing in flight)."""
+        def more_orders(n: int) -> list[Outbound]:
+            wave = [Envelope.new("order.create", {"sku": rng.choice(skus), "qty": 1})
+                    for _ in range(n)]  # fmt: skip
+            orders.extend(wave)
+            return [Outbound.of(subject, e) for e in wave]
 
-            async def mid_work() -> bool:
-                remaining, in_hand = await left()
-                return 0 < remaining < sent and in_hand > 0
+        async def kill_mid_work(worker: AgentProcess) -> None:
+            """Kill ``worker`` once it consumes and orders are in a worker's hands with
+            others still to do (a worker killed while still starting would kill nothing in
+            flight). On a loaded machine the other workers may finish everything while this
+            one starts: another wave of orders goes out then, and the wait goes on."""
 
             async def consuming() -> bool:
                 return running(worker)
 
             await wait_until(consuming, within=60, what="the worker running")
-            await wait_until(mid_work, within=60, what="some orders applied, others in flight")
+            deadline = time.monotonic() + 60
+            while True:
+                remaining, in_hand = await left()
+                if remaining > in_hand > 0:
+                    break
+                if remaining == 0:
+                    await publisher.publish_many(more_orders(40))
+                assert time.monotonic() < deadline, "no orders in flight with others to do"
+                await asyncio.sleep(0.01)
             worker.kill()
             assert (await left())[0] > 0, "the work was all done before the kill"
             worker.start()
 
         await publisher.publish_many([Outbound.of(subject, e) for e in orders[:200]])
-        await kill_mid_work(workers[0], 200)
-        outstanding = (await left())[0] + len(orders[200:] + resent)
-        await publisher.publish_many([Outbound.of(subject, e) for e in orders[200:] + resent])
-        await kill_mid_work(workers[1], outstanding)
+        await kill_mid_work(workers[0])
+        await publisher.publish_many([Outbound.of(subject, e) for e in orders[200:400] + resent])
+        await kill_mid_work(workers[1])
 
         async def idle() -> bool:
             return await consumer_idle(conn, "order") and await consumer_idle(conn, "inventory")
