@@ -42,13 +42,12 @@ SPREAD = (
     "tests/integration/test_fuzz_hostile.py",
     "tests/integration/test_cluster.py",
 )
-#: Spark tests long enough to run beside the others on a worker of their own: each starts
-#: JVMs of its own (a standalone cluster, spark-submit), so the shared session's worker
-#: would otherwise run them one after the other, the suite's longest path.
-OWN_SPARK = ("tests/spark/test_standalone.py", "tests/spark/test_cli.py")
+#: A Spark test long enough to run beside the others on a worker of its own: it starts JVMs
+#: of its own (a standalone cluster, spark-submit) and no SparkSession in the worker, so
+#: the shared session's worker would otherwise run it after the others.
+OWN_SPARK = ("tests/spark/test_standalone.py",)
 LONGEST_FIRST = (
     "tests/spark/test_standalone.py",
-    "tests/spark/test_cli.py",
     "spark",
     "tests/chaos/test_order_checker",
     "tests/integration/test_demo_agents.py",

@@ -3,7 +3,8 @@
 ``meshforge pipeline ingest`` and ``audit`` go through ``spark-submit`` and ``job.py``
 exactly as docs/PIPELINE.md ("On a cluster") tells a user, with MeshForge reaching the
 executors the documented way (installed in the interpreter that ``PYSPARK_PYTHON``
-names on every node); the results equal local mode's.
+names on every node); the report equals the one local mode gives (test_cli.py), and no
+JVM is started here but the cluster's and spark-submit's.
 """
 
 from __future__ import annotations
@@ -21,22 +22,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import nats
+import pyarrow.parquet as pq
 import pytest
-from pyspark.sql import SparkSession
-from typer.testing import CliRunner
+from spark_support import (
+    DEAD_LETTERS,
+    EVENTS,
+    PIPELINE_REPORT,
+    pipeline_report,
+    publish_pipeline_run,
+)
 
 import meshforge.cli.spark_job
-from meshforge.cli import app
-from meshforge.envelope import Envelope, Outbound
 from meshforge.transport.server import EmbeddedServer
 from polling import wait_until_sync
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 BIN = Path(sys.executable).parent
-EVENTS = 200
-DEAD_LETTERS = 5
 
 
 # What the master logs once bound (it is given port 0: a port picked here could be taken).
@@ -122,28 +124,6 @@ def standalone(tmp_path: Path) -> Iterator[Standalone]:
             _stop(proc)
 
 
-async def _publish(url: str) -> None:
-    """EVENTS order events (each an effect of its own command) and DEAD_LETTERS dead letters."""
-    nc = await nats.connect(url)
-    js = nc.jetstream()
-    await js.add_stream(name="MESHFORGE_EVENTS", subjects=["evt.>"])
-    await js.add_stream(name="MESHFORGE_FAILED", subjects=["failed.>"])
-    for i in range(EVENTS):
-        cmd = Envelope.new("order.create", {"order_id": f"o-{i}", "sku": "S", "qty": 1})
-        out = Outbound.of(
-            "evt.default.demo.order.created",
-            cmd.child("order.created", {"order_id": f"o-{i}"}, position=0),
-        )
-        await js.publish(out.subject, out.data, headers=out.headers)
-    for i in range(DEAD_LETTERS):
-        bad = Envelope.new("order.create", {"qty": -i})
-        out = Outbound.of("failed.cmd.default.demo.order.create", bad)
-        headers = {**out.headers, "Dlq-Reason": "unrecoverable", "Dlq-Error": "Unrecoverable: qty",
-                   "Dlq-Original-Subject": "cmd.default.demo.order.create"}  # fmt: skip
-        await js.publish(out.subject, out.data, headers=headers)
-    await nc.close()
-
-
 def _submit(master: str, cwd: Path, *args: str) -> str:
     """``spark-submit --master MASTER job.py ARGS`` as PIPELINE.md shows it; the output."""
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
@@ -162,20 +142,14 @@ def _submit(master: str, cwd: Path, *args: str) -> str:
     return said
 
 
-def _report(out: Path) -> dict[str, Any]:
-    findings = json.loads((out / "report" / "audit.json").read_text())
-    assert isinstance(findings, dict)
-    return {key: findings[key] for key in ("ok", "counts", "dead_letters")}
-
-
 # A bound against a hang, not a speed test: JVMs of its own beside the suite's other
 # workers on 2 cores took 300 s (alone, about 130 s).
 @pytest.mark.timeout(900)
 async def test_ingest_and_audit_on_a_standalone_cluster_equal_local_mode(
-    spark: SparkSession, standalone: Standalone, private_server: EmbeddedServer, tmp_path: Path
+    standalone: Standalone, private_server: EmbeddedServer, tmp_path: Path
 ) -> None:
     url = private_server.url
-    await _publish(url)
+    await publish_pipeline_run(url)
 
     # on the cluster, through spark-submit and job.py
     remote = tmp_path / "remote"
@@ -191,20 +165,6 @@ async def test_ingest_and_audit_on_a_standalone_cluster_equal_local_mode(
     assert len(apps) == 2 and all(a.get("state") == "FINISHED" for a in apps), apps
     assert len(list(standalone.work_dir.glob("app-*/*/stderr"))) >= 2
 
-    # the same in local mode
-    local = tmp_path / "local"
-    for args in (["ingest", "--nats-url", url, "--output", str(local), "--master", "local[2]"],
-                 ["audit", "--output", str(local), "--master", "local[2]"]):  # fmt: skip
-        result = CliRunner().invoke(app, ["pipeline", *args])
-        assert result.exit_code == 0, result.output
-
-    on_cluster, in_local = _report(remote), _report(local)
-    assert on_cluster == in_local
-    assert on_cluster["ok"] is True
-    assert (
-        on_cluster["counts"]["events"] == EVENTS
-        and on_cluster["dead_letters"]["total"] == DEAD_LETTERS
-    )
-    for base in (remote, local):
-        counts = [spark.read.parquet(str(base / name)).count() for name in ("events", "failed")]
-        assert counts == [EVENTS, DEAD_LETTERS], base
+    assert pipeline_report(remote) == PIPELINE_REPORT  # what local mode gives (test_cli.py)
+    counts = [pq.ParquetDataset(remote / name).read().num_rows for name in ("events", "failed")]
+    assert counts == [EVENTS, DEAD_LETTERS]
