@@ -228,8 +228,11 @@ async def test_a_batch_consumer_takes_a_steady_trickle_in_few_batches(
         await wait_until(lambda: c.count("acked") == 100, 20)
     assert sorted(handled) == list(range(100))
     # While a batch is in flight, one fetch every 10 ms at most (``_GATHER``), however slow
-    # the publisher: a fetch for every command or two would be 50 batches or more.
-    assert len(calls) <= min(60, took / 0.01 * 1.2 + 3), (calls, took)
+    # the publisher; and at the intended pace (100 in under 0.5 s: a loaded machine may
+    # publish slower than a batch takes, and then one at a time is right) fewer than 60:
+    # a fetch for every command or two would be 50 batches or more.
+    assert len(calls) <= took / 0.01 * 1.2 + 3, (calls, took)
+    assert took >= 0.5 or len(calls) <= 60, (calls, took)
 
 
 @each_variant(BATCHES)
