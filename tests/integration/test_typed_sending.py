@@ -82,6 +82,15 @@ async def test_typed_commands_sent_by_both_publishers_are_applied_by_a_worker(
         assert (await h.state("inventory", "A-1")).reserved == 2
 
 
+async def test_the_worker_harness_sends_a_typed_payload_as_its_fields(agent_worker) -> None:
+    async with agent_worker(InventoryAgent()) as h:
+        sent = await h.send("inventory", "create", CreateStock(sku="B-2", qty=3))
+        assert sent.payload == {"sku": "B-2", "qty": 3}
+        [created] = await h.wait_events("inventory.created")
+        assert created.causation_id == sent.id
+        assert (await h.state("inventory", "B-2")).qty == 3
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHFORGE_", "PYTEST_"))}
     env["PYTHONPATH"] = str(SRC)

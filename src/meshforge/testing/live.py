@@ -29,6 +29,7 @@ from meshforge.deadletters.admin import DeadLetters
 from meshforge.deadletters.route import DeadLetter
 from meshforge.envelope import Envelope, decode
 from meshforge.publish.publisher import Publisher, PublishResult
+from meshforge.runtime import payloads
 from meshforge.runtime.agent import Agent
 from meshforge.runtime.worker import Worker
 from meshforge.store.base import Store
@@ -112,11 +113,12 @@ class WorkerHarness:
 
     # ------------------------------------------------------------------ in
     async def send(
-        self, agent: str, command: str, payload: Mapping[str, Any] | None = None, **fields: Any
+        self, agent: str, command: str, payload: Mapping[str, Any] | Any = None, **fields: Any
     ) -> Envelope:
-        """Publish command ``agent.command``; ``fields`` go to ``Envelope.new``. Returns it."""
-        env = Envelope.new(f"{agent}.{command}", dict(payload or {}), tenant_id=self.tenant,
-                           source="test", **fields)  # fmt: skip
+        """Publish command ``agent.command``; ``payload`` is a dict or a typed payload (sent as
+        its fields, as a publisher would); ``fields`` go to ``Envelope.new``. Returns it."""
+        env = Envelope.new(f"{agent}.{command}", payloads.to_builtins(payload or {}),
+                           tenant_id=self.tenant, source="test", **fields)  # fmt: skip
         await self.publish(command_subject(self.tenant, self.namespace, agent, command), env)
         return env
 
