@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.meshforge-installed
-# CHAOS_SCALE multiplies the kill counts of the crash suite and the order checker's workload
-# time (`make chaos` runs twenty times more: ~8 minutes of checker per store).
+# CHAOS_SCALE multiplies the order checker's workload time and sets the crash suite's kills
+# (4 per point at 1, 12 x CHAOS_SCALE above: `make chaos` runs 240 and ~8 minutes of checker
+# per store).
 CHAOS_SCALE ?= 1
 # `make test` runs the tests in this many processes (each session has its own nats-server
 # and PostgreSQL database). Four keep 2 cores busy while tests wait (812 s of CPU in 705 s
