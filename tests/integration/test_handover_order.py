@@ -218,7 +218,7 @@ async def test_in_progress_after_the_new_owner_counted(
     of their resources must wait for them."""
     # An ack wait well over the lease: the stop ends (1 s after the count) before what it
     # holds comes due, with every keep-alive beat overdue.
-    timing = {"MESHFORGE_ACK_WAIT": "6s", "MESHFORGE_BACKOFF": "6s"}
+    timing = {"MESHFORGE_ACK_WAIT": "9s", "MESHFORGE_BACKOFF": "9s"}
     async with rig(private_server, own_pg, tmp_path) as r:
         old = r.start(MESHFORGE_BATCH_SIZE="1", **timing)
         await r.owning({old.pid: 5}, "the first worker owning every slot")
@@ -226,7 +226,9 @@ async def test_in_progress_after_the_new_owner_counted(
         await r.owning({old.pid: 3, new.pid: 2}, "both workers owning their share")
         slot = a_partition_of(await r.slots_of(old))
         names = resources_in(slot, 2)
-        await r.send(names, range(1), pause=2.8)  # over a third of the ack wait, under half
+        # Over a third of the ack wait, under half: the owner fetches the other 10 meanwhile
+        # (a machine at load 9 did not within 2.8 s of a 6 s ack wait).
+        await r.send(names, range(1), pause=4.2)
         await r.send(names, range(1, 6), pause=0.4)
         await wait_until(
             lambda: at(r.ack_pending(slot), 12), timeout=20, what="12 commands held by the owner"
