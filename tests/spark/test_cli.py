@@ -59,9 +59,8 @@ async def test_local_mode_gives_the_report_a_cluster_must_equal(
     await publish_pipeline_run(private_server.url)
     local = tmp_path / "local"
     _ingest(private_server.url, local)
-    audited = ["pipeline", "audit", "--output", str(local), "--master", "local[2]"]
-    result = CliRunner().invoke(app, audited)
-    assert result.exit_code == 0, result.output
+    code, _, output = _audit(local)
+    assert code == 0, output
     assert pipeline_report(local) == PIPELINE_REPORT
     counts = [spark.read.parquet(str(local / name)).count() for name in ("events", "failed")]
     assert counts == [EVENTS, DEAD_LETTERS]
