@@ -85,6 +85,7 @@ log = logging.getLogger("meshforge.consumer")
 # work in flight before fetching again (``PullLoop``): at 1,000 commands a second an
 # agent's p50 went from 15-25 ms to 12-13 ms, its p99 from 62-66 to 28-40 (a slow VM).
 _GATHER = 0.01
+_PULL_WAITS = 5  # a pull request's expires, in heartbeats (5 s for the default 1 s)
 
 
 async def _leave(msg: Msg) -> None:
@@ -134,6 +135,7 @@ class Consumer:
         owner: Tenure | None = None,
         pause: Pause | None = None,
         budget: Budget | None = None,
+        pull_heartbeat: float = 1.0,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ConfigError("consumer: give exactly one of handler= or batch_handler=")
@@ -193,6 +195,9 @@ class Consumer:
         #: With a budget (shared by the consumers feeding one engine), ``max_held`` is the
         #: lane's: this consumer fetches only what the lane has room for.
         self._budget = budget
+        # A pull request waits up to ``_PULL_WAITS`` heartbeats for its first message; two
+        # missed heartbeats mean the request is gone (a fleet's idle nodes beat slower).
+        self._pull = (pull_heartbeat * _PULL_WAITS, pull_heartbeat)
         self._workers = Workers(self.durable, self.metrics, self._stop, budget)
         self._deliver: tuple[str, str] = ("", "")
         self._processor: Processor | None = None
@@ -383,7 +388,11 @@ class Consumer:
                 for msg in msgs:
                     workers.spawn(processor.handle_one(msg), [msg])
 
-        source = PullSource(self._conn.nc, self.stream, self.durable, group=self.priority_group)
+        expires, heartbeat = self._pull
+        source = PullSource(
+            self._conn.nc, self.stream, self.durable,
+            expires=expires, heartbeat=heartbeat, group=self.priority_group,
+        )  # fmt: skip
         await source.start()
         self._source = source
         loop = PullLoop(

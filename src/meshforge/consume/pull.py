@@ -145,6 +145,10 @@ class PullSource:
         # The last request while the server may still answer it (a fetch gave up on it):
         # its reply subject and how many messages it may still bring.
         self._open: tuple[str, int] | None = None
+        # The connection's reconnect count when the last request was sent: a request
+        # waiting on a connection that was lost since is gone with it (a restarted server
+        # forgets it), found at once instead of after two silent heartbeats.
+        self._sent_on = 0
         self.rebuilds = 0
 
     async def start(self) -> None:
@@ -188,6 +192,7 @@ class PullSource:
             body["group"] = self.group
             if self.pin is not None:
                 body["id"] = self.pin
+        self._sent_on = self._reconnects()
         try:
             await self._nc.publish(self._api, json.dumps(body).encode(), reply=reply)
         except Exception as exc:  # closed/draining connection: the caller backs off
@@ -232,9 +237,14 @@ class PullSource:
                         return self._gave_up(reply, n, got)
                     continue
             msg = items.popleft()
-            if msg is None:
+            if msg is None:  # a wake-up: stop set, or the connection came back
                 if stop is not None and stop.is_set():
                     return self._gave_up(reply, n, got)
+                if self._reconnects() != self._sent_on:
+                    self._open = None
+                    if got:
+                        break
+                    return FetchResult("silent", detail="the connection was lost since the request")
                 continue
             status = server_status(msg)
             if not status:
@@ -258,6 +268,10 @@ class PullSource:
         if got and self.group is not None:
             self._take_pin(got)
         return FetchResult("messages" if got else "empty", got)
+
+    def _reconnects(self) -> int:
+        stats = getattr(self._nc, "stats", None)
+        return int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0
 
     def _gave_up(self, reply: str, n: int, got: list[Msg]) -> FetchResult:
         self._open = (reply, n - len(got))
@@ -377,8 +391,10 @@ class PullLoop:
     Between empty fetches it waits 0.05 s doubling to 1 s (a fetch with messages resets
     it; a long poll that already waited counts toward it). Two silent requests in a row,
     a 409 "consumer deleted", or ``_STALL_CHECK`` seconds of empty fetches while the
-    server reports pending messages make it rebuild: a fresh inbox, and ``recover()``
-    (which provisions the consumer again when allowed).
+    server reports pending messages (seen twice, with an empty fetch between) make it
+    rebuild: a fresh inbox, and ``recover()`` (which provisions the consumer again when
+    allowed). A request sent before the connection was lost ends as silent at the
+    reconnect (``Connection`` wakes every direct subscriber), not two heartbeats later.
 
     With ``gather`` (seconds; batch consumers), a fetch that got fewer messages than it
     asked for (the server had no more: a steady load, not a backlog) is followed by a wait
@@ -439,6 +455,7 @@ class PullLoop:
         """Until ``stop`` is set; raises ``ConnectionError`` if the connection closes for good."""
         idle, silent = _IDLE_MIN, 0
         idle_since: float | None = None
+        suspect = False  # the last check found messages pending: one more fetch, then look again
         last_check = time.monotonic()
         owner = self._owner
         full = not self._shared  # the last fetch came back full
@@ -463,7 +480,7 @@ class PullLoop:
                 self._reserve(-n)
             full = not self._shared or len(result.messages) == n
             if result.messages:
-                idle, silent, idle_since = _IDLE_MIN, 0, None
+                idle, silent, idle_since, suspect = _IDLE_MIN, 0, None, False
                 if self._gather > 0 and len(result.messages) < n:
                     await self._gather_arrivals()
                 continue
@@ -490,11 +507,14 @@ class PullLoop:
                 if owner is not None and self.source.pin is None:
                     await owner.unpinned_idle(self._pinned)
                 idle_since = idle_since or started
-                if time.monotonic() - max(idle_since, last_check) >= _STALL_CHECK:
+                if suspect or time.monotonic() - max(idle_since, last_check) >= _STALL_CHECK:
                     last_check = time.monotonic()
                     pending = await self._pending()
-                    if pending:
+                    # A message stored just after the server ended an empty request is
+                    # pending too: only a second empty fetch after seeing it is a stall.
+                    if pending and suspect:
                         await self.rebuild(f"{pending} messages pending but fetches return none")
+                    suspect = bool(pending) and not suspect
             await self._sleep(idle - (time.monotonic() - started))
             idle = min(idle * 2, _IDLE_MAX)
 

@@ -160,7 +160,7 @@ class _Client(NATS):
     a batch's acks one write (``ack_many``)."""
 
     _pipe: PubAckPipe | None = None
-    _direct: dict[int, Callable[[Msg], None]] | None = None
+    _direct: dict[int, Callable[[Msg | None], None]] | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -189,12 +189,21 @@ class _Client(NATS):
         if self._flush_queue is not None and self._flush_queue.empty():
             await self._flush_pending()
 
-    def deliver_direct(self, sid: int, deliver: Callable[[Msg], None]) -> None:
+    def deliver_direct(self, sid: int, deliver: Callable[[Msg | None], None]) -> None:
         """Hand the messages of subscription ``sid`` to ``deliver`` as they are read, instead
         of through the subscription's queue and task (a hop per message)."""
-        live = self._subs
-        self._direct = {k: v for k, v in (self._direct or {}).items() if k in live}
-        self._direct[sid] = deliver
+        direct = self._direct if self._direct is not None else {}
+        if len(direct) > 2 * len(self._subs) + 64:  # now and then, not at every subscribe
+            direct = {k: v for k, v in direct.items() if k in self._subs}
+        direct[sid] = deliver
+        self._direct = direct
+
+    def wake_direct(self) -> None:
+        """Hand every direct subscriber ``None`` (a wake-up): after a reconnect, a pull
+        request waiting on the lost connection is gone and its waiter should know now."""
+        for sid, deliver in list((self._direct or {}).items()):
+            if sid in self._subs:
+                deliver(None)
 
     def _deliver_now(
         self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
@@ -273,7 +282,7 @@ class Connection:
     def __init__(self, url: str, name: str) -> None:
         self.url = url
         self.name = name
-        self.nc: NATS = _Client()
+        self.nc = _Client()
         self.state: State = "connecting"
         self.reconnects = 0
         self.last_error: str | None = None
@@ -302,6 +311,7 @@ class Connection:
         self._said = None
         log.info("reconnected to NATS %s", self._server())
         self._tell()
+        self.nc.wake_direct()
 
     def _tell(self) -> None:
         for listener in self.on_state:
