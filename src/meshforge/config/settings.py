@@ -82,6 +82,9 @@ class Settings(AuthSettings):
     max_bytes: int = -1
     # Consumers MESHFORGE_CONTROL takes: one per node (its mailbox); -1, unlimited.
     control_max_consumers: int = -1
+    # How often a node's waiting pull request hears from the server (it waits 5 times as
+    # long for a command): the idle traffic of each node. CONTROL_PLANE.md "Limits".
+    node_pull_heartbeat: float = 5.0
     batch_size: int = 64
     concurrency: int = 8
     partitions: int = 0
@@ -318,6 +321,7 @@ _PARSERS: dict[str, Callable[[object], Any]] = {
     "max_age": _duration(positive=False),
     "max_bytes": _int_at_least(1, minus_one=True),
     "control_max_consumers": _int_at_least(1, minus_one=True),
+    "node_pull_heartbeat": _duration(positive=True),
     "batch_size": _int_at_least(1),
     "concurrency": _int_at_least(1),
     "partitions": _int_between(0, 1024),

@@ -1,5 +1,7 @@
 """The node runtime: pulls a node's mailbox and applies the control-plane rules, in order.
 
+0. A command id this node is answering right now (a redelivery, a second copy): nak
+   with a short delay; it comes back to rule 1 once the first run's reply is stored.
 1. A command id already answered: publish the stored reply again, run nothing.
    A command of a canceled job (its ``job`` field): reply ``canceled``, run nothing.
 2. ``deadline_ts`` passed: reply ``expired``, dead-letter ``expired``, run nothing.
@@ -58,6 +60,10 @@ from meshforge.transport.connection import Connection
 __all__ = ["NodeRuntime"]
 
 log = logging.getLogger("meshforge.control.node")
+#: A node's own probe of its mailbox consumer (its /metrics gauges): the fleet's depths are
+#: read centrally (`ctl nodes`, one request for all), so a node asks 4x less than a worker.
+NODE_PROBE_INTERVAL = 4 * DEFAULT_PROBE_INTERVAL
+_RUNNING_AGAIN = 1.0  # seconds before a copy of a command still running here comes back
 T = TypeVar("T")
 
 _ENCODER = msgspec.json.Encoder()
@@ -97,7 +103,7 @@ class NodeRuntime:
         metrics: Metrics | None = None,
         publisher: Publisher | None = None,
         cleanup_interval: float = 3600.0,
-        probe_interval: float = DEFAULT_PROBE_INTERVAL,
+        probe_interval: float = NODE_PROBE_INTERVAL,
     ) -> None:
         self.node = node
         self.site = site
@@ -133,6 +139,7 @@ class NodeRuntime:
         self._consumer: Consumer | None = None
         self._stopping = False
         self._canceled: set[str] = set()
+        self._running: set[str] = set()  # command ids being answered now
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -154,6 +161,7 @@ class NodeRuntime:
             metrics=self.metrics,
             publisher=self.publisher,
             provision=self.settings.provision,
+            pull_heartbeat=self.settings.node_pull_heartbeat,
         )
         self._consumer = consumer
         waiter = asyncio.create_task(self._mark_ready(consumer))
@@ -235,6 +243,18 @@ class NodeRuntime:
         env = delivery.envelope
         if env is None:  # the consumer decodes; this guards a consumer built without it
             return Decision.dead_letter("malformed", "control message without an envelope")
+        if env.id in self._running:
+            # The same command again while it runs here: a redelivery after its ack wait ran
+            # out on a loaded node, or a second copy under another message id. It comes back
+            # once the first run's reply is stored, and gets that reply.
+            return Decision.nak(delay=_RUNNING_AGAIN)
+        self._running.add(env.id)
+        try:
+            return await self._rules(delivery, env)
+        finally:
+            self._running.discard(env.id)
+
+    async def _rules(self, delivery: Delivery, env: Envelope) -> Decision | None:
         site, name, command_id = self.site, self.name, env.id
 
         def look(tx: Transaction) -> tuple[bytes | None, int | None]:

@@ -50,6 +50,7 @@ MEANINGS: dict[str, str] = {
     "max_age": "how long streams keep messages (`0`: forever)",
     "max_bytes": "stream size limit (`-1`: none)",
     "control_max_consumers": "how many nodes (one consumer each) the control stream `MESHFORGE_CONTROL` takes; a node past it exits naming this setting. `-1`: unlimited, written as the largest limit (a stream with none gets nats-server 2.15's default of 1000) ([CONTROL_PLANE.md](CONTROL_PLANE.md#limits))",
+    "node_pull_heartbeat": "how often the server tells a node's waiting pull request it is still there (the request waits 5 times as long for a command): an idle node's traffic. A request lost with the connection is renewed at the reconnect; one lost without it (a consumer leader moving in a cluster) after two silent heartbeats ([CONTROL_PLANE.md](CONTROL_PLANE.md#limits))",
     "batch_size": "commands fetched (and handled in one store transaction) at a time",
     "concurrency": "messages a plain consumer handles at once",
     "partitions": "split each agent's commands N ways by resource (`0`: off; [AGENTS.md](AGENTS.md))",
