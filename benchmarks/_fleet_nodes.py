@@ -77,6 +77,18 @@ async def serve(args: argparse.Namespace) -> None:
         async with gate:
             await start(index)
 
+    async def watch_lag() -> None:
+        # A process too busy to read its socket in time looks, to its nodes, like a server
+        # that stopped answering: said here, so the benchmark's warnings tell them apart.
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            await asyncio.sleep(0.5)
+            late = loop.time() - began - 0.5
+            if late > 1.0:
+                logging.warning("node process: event loop late by %.1fs", late)
+
+    tasks.append(asyncio.create_task(watch_lag()))
     # The benchmark is over at SIGTERM: the process ends without stopping its nodes one by
     # one (10,000 last words, and a warning from each presence loop as the connection closes).
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, os._exit, 0)
