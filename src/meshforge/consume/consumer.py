@@ -197,7 +197,7 @@ class Consumer:
         self._budget = budget
         # A pull request waits up to ``_PULL_WAITS`` heartbeats for its first message; two
         # missed heartbeats mean the request is gone (a fleet's idle nodes beat slower).
-        self._pull = (pull_heartbeat * _PULL_WAITS, pull_heartbeat)
+        self._pull_heartbeat = pull_heartbeat
         self._workers = Workers(self.durable, self.metrics, self._stop, budget)
         self._deliver: tuple[str, str] = ("", "")
         self._processor: Processor | None = None
@@ -388,10 +388,10 @@ class Consumer:
                 for msg in msgs:
                     workers.spawn(processor.handle_one(msg), [msg])
 
-        expires, heartbeat = self._pull
+        heartbeat = self._pull_heartbeat
         source = PullSource(
             self._conn.nc, self.stream, self.durable,
-            expires=expires, heartbeat=heartbeat, group=self.priority_group,
+            expires=heartbeat * _PULL_WAITS, heartbeat=heartbeat, group=self.priority_group,
         )  # fmt: skip
         await source.start()
         self._source = source

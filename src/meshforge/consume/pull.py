@@ -270,8 +270,7 @@ class PullSource:
         return FetchResult("messages" if got else "empty", got)
 
     def _reconnects(self) -> int:
-        stats = getattr(self._nc, "stats", None)
-        return int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0
+        return int(self._nc.stats["reconnects"])
 
     def _gave_up(self, reply: str, n: int, got: list[Msg]) -> FetchResult:
         self._open = (reply, n - len(got))
