@@ -41,6 +41,7 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -242,6 +243,22 @@ def stop(workers: list[subprocess.Popen[bytes]]) -> None:
             worker.wait()
 
 
+def wait_for_all(
+    workers: list[subprocess.Popen[bytes]], size: int, count: Callable[[], int], what: str,
+    began: float, every: float = 1.0,
+) -> None:  # fmt: skip
+    """Until ``count()`` reaches ``size``; fails if a node process exits or time runs out."""
+    deadline = time.monotonic() + max(900.0, size * 0.3)
+    while (seen := count()) < size:
+        dead = [w.returncode for w in workers if w.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{seen:,} of {size:,} nodes {what} after {time.time() - began:.0f} s"
+                f" (node processes exited: {dead})"
+            )
+        time.sleep(every)  # polling with a deadline
+
+
 def measure(size: int, procs: int, rate: float, home: Path) -> Result:
     result = Result(size)
     out = home / "out"
@@ -253,19 +270,8 @@ def measure(size: int, procs: int, rate: float, home: Path) -> Result:
         began = time.time()
         workers = launch(url, size, procs, out)
         try:
-            deadline = time.monotonic() + max(900.0, size * 0.3)
-            while True:
-                _, seen = alive(url)
-                if seen >= size:
-                    result.alive_after = time.time() - began
-                    break
-                dead = [w.returncode for w in workers if w.poll() is not None]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{seen:,} of {size:,} nodes alive after {time.time() - began:.0f} s"
-                        f" (node processes exited: {dead})"
-                    )
-                time.sleep(2.0)  # polling the fleet's listing with a deadline
+            wait_for_all(workers, size, lambda: alive(url)[1], "alive", began, every=2.0)
+            result.alive_after = time.time() - began
             ready = [at for _, at in lines(out, "ready")]
             result.start_rates = tenths(ready, began)
             result.start_requests = (api_requests(server) - before) / size
@@ -335,14 +341,8 @@ def measure(size: int, procs: int, rate: float, home: Path) -> Result:
                 done_file.rename(done_file.with_name(f"first-{done_file.name}"))
             began = time.time()
             workers = launch(url, size, procs, out)
-            deadline = time.monotonic() + max(900.0, size * 0.3)
-            while len(ready := [at for _, at in lines(out, "ready")]) < size:
-                dead = [w.returncode for w in workers if w.poll() is not None]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{len(ready):,} of {size:,} nodes restarted (exited: {dead})"
-                    )
-                time.sleep(1.0)  # polling the nodes' ready files with a deadline
+            wait_for_all(workers, size, lambda: len(lines(out, "ready")), "restarted", began)
+            ready = [at for _, at in lines(out, "ready")]
             result.restart_rates = tenths(ready, began)
             result.restart_after = max(ready) - began
         finally:
