@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from meshforge.errors import one_line
 from meshforge.ops.observability import Metrics
+from meshforge.store.sequencing import IS_PUBLISHED
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -37,9 +38,10 @@ log = logging.getLogger("meshforge.probes")
 DEFAULT_PROBE_INTERVAL = 15.0
 _INFO_TIMEOUT = 2.0
 _INBOX_COUNT = "SELECT status, COUNT(*) FROM meshforge_inbox GROUP BY status"
+# An effect is published when a published run covers its sequence (docs/STORE.md).
 _EFFECTS_COUNT = (
-    "SELECT CASE WHEN published_at IS NULL THEN 'unpublished' ELSE 'published' END AS state,"
-    " COUNT(*) FROM meshforge_effects GROUP BY state"
+    f"SELECT CASE WHEN {IS_PUBLISHED} THEN 'published' ELSE 'unpublished' END AS state,"
+    " COUNT(*) FROM meshforge_effects e GROUP BY state"
 )
 
 

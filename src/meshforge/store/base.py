@@ -350,8 +350,9 @@ class Transaction(Protocol):
         ...
 
     def effects_mark_published(self, consumer: str, keys: Iterable[Scoped]) -> int:
-        """Note that the outputs of these keys reached the broker; returns how many rows
-        were marked (a key whose effect retention already deleted is passed over)."""
+        """Note that the outputs of these keys reached the broker; returns how many effects
+        were marked (a key whose effect retention already deleted is passed over). An
+        effect marked again keeps the time of its first mark as its ``published_at``."""
         ...
 
     def outbox_add(self, *, msg_id: str, subject: str, data: bytes, headers: dict[str, str]) -> int:
@@ -493,7 +494,8 @@ class Store(Protocol):
         ...
 
     def effects_read(self, consumer: str | None = None) -> Iterator[EffectRecord]:
-        """Every stored effect (of one consumer), by (scope, consumer, key), page by page."""
+        """Every stored effect (of one consumer) in the order they were stored, page by page;
+        ``published_at`` is the time of the first mark of its key."""
         ...
 
     def inbox_read(

@@ -30,6 +30,7 @@ from meshforge.store.base import (
     Transaction,
 )
 from meshforge.store.packing import unpack_outputs
+from meshforge.store.sequencing import PUBLISHED_AT
 from meshforge.store.sql import (
     Cursor,
     Dialect,
@@ -56,6 +57,13 @@ _EVENT_COLUMNS = (
 
 
 _first = operator.itemgetter(0)
+# Runs that end before the oldest effect kept (every run, when none is); ``first_seq``
+# bounds the index range read, as a run never starts after it ends.
+_OLDEST_KEPT = "(SELECT COALESCE(min(seq), 9223372036854775807) FROM meshforge_effects)"
+_RUNS_CLEANUP = (
+    f"DELETE FROM meshforge_published WHERE first_seq < {_OLDEST_KEPT}"
+    f" AND last_seq < {_OLDEST_KEPT}"
+)
 
 
 def system_clock() -> datetime:
@@ -253,9 +261,12 @@ class SqlStore(ABC):
 
     def effects_cleanup(self, older_than: datetime) -> int:
         with self._short() as run:
-            return run.count(
+            deleted = run.count(
                 "DELETE FROM meshforge_effects WHERE created_at < ?", (self._ts(older_than),)
             )
+            # A sequence is never given again: runs before the oldest kept cover nothing.
+            run.count(_RUNS_CLEANUP)
+            return deleted
 
     def node_replies_cleanup(self, older_than: datetime) -> int:
         """Delete node replies stored before ``older_than``; returns how many."""
@@ -312,33 +323,32 @@ class SqlStore(ABC):
 
     def effects_read(self, consumer: str | None = None) -> Iterator[EffectRecord]:
         d = self._dialect
-        after: tuple[str, str, str, str] | None = None
+        last = 0
+        mine, params = (" AND e.consumer = ?", [consumer]) if consumer is not None else ("", [])
         while True:
-            where, params = _keyset(consumer, after)
             with self._short(write=False) as run:
                 rows = run.rows(
-                    "SELECT consumer, key, command_id, created_at, published_at, outputs,"
-                    f" tenant, namespace FROM meshforge_effects{where}"
-                    " ORDER BY tenant, namespace, consumer, key LIMIT ?",
-                    (*params, self.page_size),
+                    "SELECT e.seq, e.consumer, e.key, e.command_id, e.created_at,"
+                    f" {PUBLISHED_AT}, e.outputs, e.tenant, e.namespace"
+                    f" FROM meshforge_effects e WHERE e.seq > ?{mine} ORDER BY e.seq LIMIT ?",
+                    (last, *params, self.page_size),
                 )
             records = [
                 EffectRecord(
-                    consumer=r[0],
-                    key=r[1],
-                    command_id=r[2],
-                    outputs=tuple(unpack_outputs(r[5])),
-                    created_at=d.ts_out(r[3]),
-                    published_at=None if r[4] is None else d.ts_out(r[4]),
-                    scope=Scope(r[6], r[7]),
+                    consumer=r[1],
+                    key=r[2],
+                    command_id=r[3],
+                    outputs=tuple(unpack_outputs(r[6])),
+                    created_at=d.ts_out(r[4]),
+                    published_at=None if r[5] is None else d.ts_out(r[5]),
+                    scope=Scope(r[7], r[8]),
                 )
                 for r in rows
             ]
             yield from records
             if len(records) < self.page_size:
                 return
-            last = records[-1]
-            after = (last.scope.tenant, last.scope.namespace, last.consumer, last.key)
+            last = int(rows[-1][0])
 
     def inbox_read(
         self, consumer: str | None = None, *, status: InboxStatus | None = None

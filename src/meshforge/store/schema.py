@@ -14,6 +14,7 @@ from meshforge.errors import StoreError
 from meshforge.store.packing import STEPS as PACK_STEPS
 from meshforge.store.scoping import STEPS as SCOPE_STEPS
 from meshforge.store.scoping import Step
+from meshforge.store.sequencing import STEPS as SEQUENCE_STEPS
 
 if TYPE_CHECKING:
     from meshforge.store.sql import Dialect, Runner
@@ -92,6 +93,8 @@ MIGRATIONS: list[tuple[int, list[Step]]] = [
                 PRIMARY KEY (tenant, namespace, consumer, key))""",
         ],
     ),
+    # Effects and publishing progress as logs; SQLite's random keys in digest indexes.
+    (5, SEQUENCE_STEPS),
 ]
 
 LATEST = MIGRATIONS[-1][0]

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from meshforge.errors import StoreError
+from meshforge.store import sequencing
 from meshforge.store.base import (
     InboxRecord,
     InboxStatus,
     NewEffect,
     NewEvent,
+    NewState,
     OutboxMessage,
     StoredOutput,
 )
@@ -32,6 +34,13 @@ INBOX_COLUMNS = (
     "key, consumer, message_id, type, subject, stream, stream_seq, status, attempts, "
     "deliveries, error, resource_type, resource_id, headers, received_at, processed_at, "
     "failed_at, created_at, updated_at, tenant, namespace"
+)
+
+# SQLite: the digest index, not the log's own (tenant, namespace, agent, position), which
+# the planner could take for its three equalities and read the whole log through.
+_EVENT_IDS_ONE_SCOPE = (
+    "SELECT event_id FROM meshforge_events INDEXED BY meshforge_events_ed"
+    " WHERE tenant = ? AND namespace = ? AND agent = ? AND ed IN (VALUES {rows})"
 )
 
 _INBOX_BEGIN = f"""
@@ -90,6 +99,8 @@ class SqlTransaction(BatchMethods):
         # few thousand instructions a value, more than the copy): blobs of the batch writes
         # go to SQLite as bytearrays. They are stored and read back the same.
         self._blob: Callable[[Any], Any] = bytearray if self._d.embedded else bytes
+        self._absent = set()
+        self._state_rows = {}
 
     @property
     def failed(self) -> bool:
@@ -97,6 +108,10 @@ class SqlTransaction(BatchMethods):
 
     @spoils
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        if "meshforge_effects" in sql or "meshforge_states" in sql:
+            # SQL of the caller's own may change what this transaction remembers it read.
+            self._absent.clear()
+            self._state_rows.clear()
         return self._run.rows(sql, params)
 
     @spoils
@@ -149,6 +164,8 @@ class SqlTransaction(BatchMethods):
     def effect_get(
         self, consumer: str, key: str, *, scope: Scope = DEFAULT_SCOPE
     ) -> list[StoredOutput] | None:
+        if self._d.embedded:
+            return self.effects_get(consumer, [(scope, key)])[(scope, key)]
         rows = self._run.rows(
             "SELECT outputs FROM meshforge_effects"
             " WHERE tenant = ? AND namespace = ? AND consumer = ? AND key = ?",
@@ -172,11 +189,7 @@ class SqlTransaction(BatchMethods):
     def effect_mark_published(
         self, consumer: str, key: str, *, scope: Scope = DEFAULT_SCOPE
     ) -> None:
-        changed = self._run.count(
-            "UPDATE meshforge_effects SET published_at = ?"
-            " WHERE tenant = ? AND namespace = ? AND consumer = ? AND key = ?",
-            (self._now, scope.tenant, scope.namespace, consumer, key),
-        )
+        changed = self.effects_mark_published(consumer, [(scope, key)])
         self._require(changed, "effect", consumer, key)
 
     @spoils
@@ -186,6 +199,8 @@ class SqlTransaction(BatchMethods):
         if not events:
             return []
         t, ns = scope.tenant, scope.namespace
+        if self._d.embedded:
+            self._refuse_known_events(agent, scope, [e.event_id for e in events])
         # The head row is locked until commit, so concurrent appends take turns: gapless.
         head = self._run.rows(
             "INSERT INTO meshforge_agent_heads (tenant, namespace, agent, position)"
@@ -202,12 +217,16 @@ class SqlTransaction(BatchMethods):
             " command_id, key, data, ts, stored_at)"
         )
         if self._d.embedded:
-            # What every row shares is bound once a statement, not once a row.
+            # What every row shares is bound once a statement, not once a row; the event
+            # id's digest goes into the narrow index that finds it again.
+            found = sequencing.digests(t, ns, agent, [e.event_id for e in events])
             self._run.each(
-                f"INSERT INTO {target} SELECT ?, ?, ?, column1, column2, column3, column4,"
-                " column5, column6, column7, column8, ? FROM (VALUES {rows})",
-                [(pos, e.event_id, e.type, e.resource_id, e.command_id, e.key, blob(e.data), e.ts)
-                 for pos, e in zip(positions, events, strict=True)],
+                "INSERT INTO meshforge_events (tenant, namespace, agent, position, ed, event_id,"
+                " type, resource_id, command_id, key, data, ts, stored_at) SELECT ?, ?, ?,"
+                " column1, column2, column3, column4, column5, column6, column7, column8,"
+                " column9, ? FROM (VALUES {rows})",
+                [(pos, d, e.event_id, e.type, e.resource_id, e.command_id, e.key, blob(e.data),
+                  e.ts) for pos, d, e in zip(positions, found, events, strict=True)],
                 (t, ns, agent, self._now),
             )  # fmt: skip
             return positions
@@ -221,11 +240,32 @@ class SqlTransaction(BatchMethods):
         )  # fmt: skip
         return positions
 
+    def _refuse_known_events(self, agent: str, scope: Scope, ids: Sequence[str]) -> None:
+        """SQLite: a ``duplicate`` error for an event id given twice or already in the log
+        of (scope, agent), found by its digest (one writer at a time: none can come
+        between this look and the append)."""
+        seen: set[str] = set()
+        for event_id in ids:
+            if event_id in seen:
+                self._duplicate_event(agent, scope, event_id, "is given twice")
+            seen.add(event_id)
+        for (event_id,) in self._by_digest(_EVENT_IDS_ONE_SCOPE, scope, agent, ids)[:1]:
+            self._duplicate_event(agent, scope, event_id, "is already in the log")
+
+    @staticmethod
+    def _duplicate_event(agent: str, scope: Scope, event_id: str, what: str) -> NoReturn:
+        raise StoreError(
+            f"event log of agent {agent!r} in {scope}: event id {event_id!r} {what}",
+            kind="duplicate",
+        )
+
     @spoils
     def state_get(
         self, agent: str, resource_id: str, *, scope: Scope = DEFAULT_SCOPE
     ) -> bytes | None:
         t, ns = scope.tenant, scope.namespace
+        if self._d.embedded:
+            return self.states_get(agent, [(scope, resource_id)])[(scope, resource_id)]
         if self._d.resource_lock:
             # Serialises workers on one resource even before its first snapshot exists.
             self._run.rows(self._d.resource_lock, (f"{t}\x1f{ns}\x1f{agent}\x1f{resource_id}",))
@@ -246,6 +286,9 @@ class SqlTransaction(BatchMethods):
         *,
         scope: Scope = DEFAULT_SCOPE,
     ) -> None:
+        if self._d.embedded:
+            self.states_put(agent, [NewState(resource_id, data, position, scope)])
+            return
         self._run.rows(
             "INSERT INTO meshforge_states (tenant, namespace, agent, resource_id, data, position,"
             " updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)"

@@ -48,7 +48,7 @@ def test_reopen_keeps_data_and_migrates_once(store_url: str) -> None:
             with store.transaction() as tx:
                 assert tx.node_epoch_bump("site", "node") == expected_epoch
                 versions = tx.execute("SELECT version FROM meshforge_schema_version")
-            assert versions == [(1,), (2,), (3,), (4,)]
+            assert versions == [(1,), (2,), (3,), (4,), (5,)]
             assert store.url == store_url
             assert store.dialect == store_url.split(":", 1)[0]
 
