@@ -19,7 +19,13 @@ synthetic commands already decoded, of the size a backlog gives (``4 x batch_siz
 the previous group's keys marked published in each, on a SQLite store with
 ``synchronous=full`` as the agent runs it. It prints the stage thread's CPU a command
 (``time.thread_time``) and the whole process's (``time.process_time``: with SQLite's
-checkpoint thread), the median of ``--rounds`` rounds, each on a fresh store.
+checkpoint thread), the median of ``--rounds`` rounds, each on a fresh store. Each round
+then runs the same groups a second time, on another fresh store whose WAL is never
+checkpointed (the checkpoint thread stopped, ``wal_autocheckpoint = 0``), and prints the
+bytes the measured groups added to the ``-wal`` file a command: every frame a commit
+writes is appended there (4,096 + 24 bytes a page), so its growth is the WAL the
+commits wrote. (With checkpoints the WAL starts again from its beginning now and then,
+and its size says nothing; the frames a commit writes do not depend on them.)
 
     python benchmarks/bench_store.py [--batches 100] [--rounds 3] [--quick]
     python benchmarks/bench_store.py --stage [--groups 40] [--rounds 5]
@@ -190,6 +196,7 @@ def main(batches: int, rounds: int, pg_admin: str) -> None:
 
 
 STAGE_SUBJECT = "cmd.default.bench.echo.work"
+_FRAME = 4096 + 24  # a WAL frame: a page and its header
 
 
 def _stage_group(engine: Engine[Any], first: int, size: int) -> list[Work]:
@@ -213,20 +220,32 @@ def _stage_group(engine: Engine[Any], first: int, size: int) -> list[Work]:
     return works
 
 
-def stage_round(groups: int, size: int, tmp: str) -> tuple[float, float, dict[str, float]]:
+def stage_round(
+    groups: int, size: int, tmp: str, *, wal: bool = False
+) -> tuple[float, float, dict[str, float]]:
     """(stage thread, whole process) CPU microseconds a command over ``groups`` groups, and
-    the process's system-call I/O a command (``_io``)."""
+    the process's system-call I/O a command (``_io``). With ``wal``, the WAL is never
+    checkpointed and the I/O has ``wal``: the bytes the groups added to it a command."""
     from _variants import EchoAgent
 
     settings = Settings()
-    store = open_store(f"sqlite:///{tmp}/stage.db")
+    path = Path(tmp) / "stage.db"
+    store = open_store(f"sqlite:///{path}")
+    if wal:
+        _no_checkpoints(store)
     publisher = Publisher(None, settings, Metrics.default())  # type: ignore[arg-type]  # only its limits
     engine = Engine(EchoAgent(), store, publisher, settings=settings)
+    wal_file = path.with_name(path.name + "-wal")
     try:
         marks: list[tuple[Scope, str]] = []
         thread = process = building = 0.0
         io = _io()
+        wal_start = wal_last = 0
         for g in range(groups + 2):  # two to warm up: tables, statements
+            if wal and g == 2:
+                wal_start = wal_file.stat().st_size
+            if wal and g == groups + 1:
+                wal_last = wal_file.stat().st_size
             started = time.thread_time(), time.process_time()
             works = _stage_group(engine, 1 + g * size, size)  # the event loop's part: not counted
             ran = time.thread_time()
@@ -241,11 +260,24 @@ def stage_round(groups: int, size: int, tmp: str) -> tuple[float, float, dict[st
         # what building the commands took.
         process -= building
         io = {k: v - io.get(k, 0) for k, v in _io().items()}
+        if wal:
+            io["wal"] = wal_file.stat().st_size - wal_start
+            # The last group's bytes, a command of it once divided by n below.
+            io["wal_last"] = (wal_file.stat().st_size - wal_last) * groups
     finally:
         engine.close()
         store.close()
     n = groups * size
     return thread / n * 1e6, process / n * 1e6, {k: v / n for k, v in io.items()}
+
+
+def _no_checkpoints(store: Store) -> None:
+    """Stop the SQLite store's checkpoints: every frame its commits write stays in the WAL."""
+    checkpointer = getattr(store, "_checkpointer", None)
+    if checkpointer is not None:
+        checkpointer.close()
+        store._checkpointer = None  # type: ignore[attr-defined]  # closed again by close()
+    store._conn.execute("PRAGMA wal_autocheckpoint = 0")  # type: ignore[attr-defined]
 
 
 def _io() -> dict[str, int]:
@@ -262,23 +294,36 @@ def stage(groups: int, rounds: int) -> None:
     threads: list[float] = []
     processes: list[float] = []
     ios: list[dict[str, float]] = []
+    wals: list[float] = []
+    lasts: list[float] = []
     for r in range(rounds):
         with tempfile.TemporaryDirectory(prefix="meshforge-stage-") as tmp:
             thread, process, io = stage_round(groups, size, tmp)
+        with tempfile.TemporaryDirectory(prefix="meshforge-stage-wal-") as tmp:
+            walled = stage_round(groups, size, tmp, wal=True)[2]
+        wal, last = walled["wal"], walled["wal_last"]
         threads.append(thread)
         processes.append(process)
         ios.append(io)
+        wals.append(wal)
+        lasts.append(last)
         console.print(
             f"round {r + 1}: stage thread {thread:.1f} us/cmd, process {process:.1f} us/cmd;"
             f" a command read {io.get('rchar', 0):,.0f} B in {io.get('syscr', 0):.2f} calls,"
-            f" wrote {io.get('wchar', 0):,.0f} B in {io.get('syscw', 0):.2f}"
+            f" wrote {io.get('wchar', 0):,.0f} B in {io.get('syscw', 0):.2f};"
+            f" WAL {wal / 1000:.2f} KB ({wal / _FRAME:.2f} frames), in the last group"
+            f" {last / 1000:.2f} KB ({last * size / _FRAME:.0f} frames its commit)"
         )
     io = {k: statistics.median(i[k] for i in ios) for k in ios[0]}
+    wal, last = statistics.median(wals), statistics.median(lasts)
     console.print(
         f"store stage, {groups} groups of {size} commands, median of {rounds}: stage thread"
         f" {statistics.median(threads):.1f} us/cmd (least {min(threads):.1f}), process"
         f" {statistics.median(processes):.1f} us/cmd (least {min(processes):.1f}); I/O a command:"
-        f" read {io.get('rchar', 0):,.0f} B, wrote {io.get('wchar', 0):,.0f} B ({machine()})"
+        f" read {io.get('rchar', 0):,.0f} B, wrote {io.get('wchar', 0):,.0f} B; WAL a command"
+        f" {wal / 1000:.2f} KB, {wal / _FRAME:.2f} frames (-wal growth, not checkpointed),"
+        f" in the last group {last / 1000:.2f} KB ({last * size / _FRAME:.0f} frames its commit)"
+        f" ({machine()})"
     )
 
 
