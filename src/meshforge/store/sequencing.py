@@ -165,6 +165,10 @@ def _key_index(run: Runner, dialect: Dialect) -> None:
         "SELECT setval(pg_get_serial_sequence('meshforge_effects', 'seq'), max(seq))"
         " FROM meshforge_effects"
     )
+    # The primary key and the identity's sequence named after the table, not its copy.
+    run.rows("ALTER INDEX meshforge_effects_v5_pkey RENAME TO meshforge_effects_pkey")
+    [(sequence,)] = run.rows("SELECT pg_get_serial_sequence('meshforge_effects', 'seq')")
+    run.rows(f"ALTER SEQUENCE {sequence} RENAME TO meshforge_effects_seq_seq")
 
 
 _EVENT_COLUMNS = (
