@@ -534,3 +534,20 @@ def test_a_killed_migration_leaves_schema_4_and_runs_again(
     assert read_schema_4(fresh_url, monkeypatch) == before
     with open_store(fresh_url) as store:
         check_schema_5(store, before)
+
+
+def test_schema_4_migrates_with_every_digest_alike_on_sqlite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys, event ids and resources that share one digest stay apart through the copy."""
+    from meshforge.store import sequencing
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    make_schema_4_store(url, monkeypatch)
+    before = read_schema_4(url, monkeypatch)
+    monkeypatch.setattr(sequencing, "digests", lambda t, ns, owner, names: [7] * len(names))
+    with open_store(url) as store:
+        with store.transaction() as tx:
+            for table, column in (("effects", "kd"), ("events", "ed"), ("states", "sd")):
+                assert tx.execute(f"SELECT DISTINCT {column} FROM meshforge_{table}") == [(7,)]
+        check_schema_5(store, before)
