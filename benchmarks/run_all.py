@@ -3,7 +3,7 @@
 Each ``bench_*.py`` starts its own embedded nats-server, measures MeshForge against a
 baseline in the same run and prints its figures; a script prints each floor it measures
 as an ``@floor`` line (see ``_floors.py``), and this runner collects them into one
-table at the end, S0, F1 to F7, C1, T1, T2 and N1 to N7, with a row for every floor no script reported. A
+table at the end, S0, F1 to F7, W1, W2, C1, T1, T2 and N1 to N7, with a row for every floor no script reported. A
 script that fails is not run again: its floors show as FAILED in the table (with its
 exit status), the others still run, and the exit status says so.
 
@@ -36,13 +36,15 @@ FLOORS = {
         "open loop 1,000 cmd/s from the schedule: p50 and p99 vs FastStream's (<= 1.0x)",
         "latency",
     ),
-    "F4": ("PostgreSQL store vs SQLite store, one worker (>= 0.8x)", "agent"),
+    "F4": ("PostgreSQL store vs SQLite store, one worker (>= 0.9x)", "agent"),
     "F5": (
         "2 workers vs 1 on a shared PostgreSQL: plain speed-up, each process's CPU (reported)",
         "partitions",
     ),
     "F6": ("worker RSS draining commands (<= 150 MB and flat)", "rss"),
     "F7": ("store bytes per command after retention (reported; flat)", "storage"),
+    "W1": ("WAL a command, the agent's store stage on SQLite (<= 3 KB)", "store"),
+    "W2": ("the agent's worker CPU a command, SQLite, durability = sync (<= 70 us)", "agent"),
     "C1": ("console dead-letter list with 1,000,000 letters stored (< 1 s)", "console"),
     "T1": (
         "typed payload vs dict checked by hand: the handler step, CPU a delivery (>= 0.95x)",
