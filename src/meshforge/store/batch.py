@@ -48,10 +48,13 @@ WITH found AS (
     SELECT e.seq, ?::timestamptz AS at FROM ({{keys}}) AS u
     JOIN meshforge_effects e ON e.tenant = u.column1 AND e.namespace = u.column2
     AND e.consumer = u.column3 AND e.key = u.column4
+), fresh AS (
+    SELECT seq, at FROM found
+    WHERE COALESCE({sequencing.LAST_RUN_END.format(seq="found.seq")} < found.seq, true)
 ), marked AS (
     INSERT INTO meshforge_published (first_seq, last_seq, published_at)
     SELECT min(seq), max(seq), min(at) FROM (
-        SELECT seq, at, seq - row_number() OVER (ORDER BY seq) AS island FROM found) m
+        SELECT seq, at, seq - row_number() OVER (ORDER BY seq) AS island FROM fresh) m
     GROUP BY island, seq / {sequencing.RUN} ON CONFLICT DO NOTHING
 ) SELECT count(*) FROM found"""
 
@@ -75,6 +78,11 @@ _EFFECTS_PUT_ONE_SCOPE = (
     "INSERT INTO meshforge_effects (tenant, namespace, consumer, key, kd, command_id,"
     " created_at, outputs) SELECT ?, ?, ?, column1, column2, column3, ?, column4"
     " FROM (VALUES {rows})"
+)
+# The sequences asked that no run covers yet (``sequencing.LAST_RUN_END``).
+_UNCOVERED = (
+    "SELECT column1 FROM (VALUES {rows}) WHERE"
+    f" COALESCE({sequencing.LAST_RUN_END.format(seq='column1')} < column1, 1)"
 )
 # (WHERE true: SQLite reads an ON after FROM as a join's unless a WHERE comes first.)
 _RUNS_PUT = (
@@ -345,7 +353,9 @@ class BatchMethods:
                 for scope, keys_ in _names_by_scope(wanted).items()
                 for _, seq in self._by_digest(_EFFECT_SEQS_ONE_SCOPE, scope, consumer, keys_)
             ]
-            spans = sequencing.runs(seqs)
+            # A sequence already covered keeps the time of its first mark.
+            fresh = [int(r[0]) for r in self._run.each(_UNCOVERED, [(q,) for q in seqs])]
+            spans = sequencing.runs(fresh)
             if spans:
                 self._run.each(_RUNS_PUT, spans, (self._now,))
             return len(seqs)

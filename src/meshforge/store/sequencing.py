@@ -4,8 +4,8 @@ Effects are a log: ``meshforge_effects`` gets a sequence (``seq``), each row is 
 in commit order and never changed again. Publishing progress is a log too:
 ``meshforge_published (first_seq, last_seq, published_at)`` gets one row for each run of
 consecutive sequences a mark names, cut at multiples of ``RUN`` (1,024), so the runs
-covering sequence ``s`` start between ``s - 1023`` and ``s``; an effect's ``published_at``
-is the earliest run that covers it.
+covering sequence ``s`` start between ``s - 1023`` and ``s``; a mark leaves out what a
+run covers already, so an effect's ``published_at`` is the one run that covers it.
 
 On SQLite what must be found again by a random key costs a narrow index row: the key of
 an effect, the id of an event and the resource of a state are found through a 64-bit
@@ -43,14 +43,26 @@ RUN = 1024
 #: The SQL function (SQLite) the migration computes digest columns with.
 DIGEST_FUNCTION = "meshforge_digest"
 
-# The earliest run covering effect ``e`` (a correlated subquery over one index range).
-PUBLISHED_AT = (
-    "(SELECT min(p.published_at) FROM meshforge_published p"
-    f" WHERE p.first_seq BETWEEN e.seq - {RUN - 1} AND e.seq AND p.last_seq >= e.seq)"
+# The run covering effect ``e``, read through the runs' index backwards from ``e.seq``:
+# marks never cover a sequence twice (``LAST_RUN_END``), so the latest run to start at or
+# before it is the one that covers it when any does, and a published effect costs one
+# index step. (Scanning forwards, or asking for the earliest of the runs that cover it,
+# reads every run of the 1,024 sequences before it: hundreds when a light load marks
+# a few effects at a time.) An unpublished effect reads the runs of that range.
+_COVERING = (
+    f" FROM meshforge_published p WHERE p.first_seq BETWEEN e.seq - {RUN - 1} AND e.seq"
+    " AND p.last_seq >= e.seq ORDER BY p.first_seq DESC LIMIT 1"
 )
-IS_PUBLISHED = (
-    "EXISTS (SELECT 1 FROM meshforge_published p"
-    f" WHERE p.first_seq BETWEEN e.seq - {RUN - 1} AND e.seq AND p.last_seq >= e.seq)"
+PUBLISHED_AT = f"(SELECT p.published_at{_COVERING})"
+# (Not EXISTS: SQLite drops the ORDER BY of an EXISTS subquery, and scans forwards.)
+IS_PUBLISHED = f"{PUBLISHED_AT} IS NOT NULL"
+#: The end of the latest run to start at or before sequence ``column1`` (one index step):
+#: the sequence is covered when that end reaches it. A mark leaves out what is covered,
+#: so no sequence is covered twice (on PostgreSQL, two transactions marking the same
+#: effect at once could still both cover it; it reads as the later-starting run's time).
+LAST_RUN_END = (
+    "(SELECT p.last_seq FROM meshforge_published p WHERE p.first_seq <= {seq}"
+    " ORDER BY p.first_seq DESC LIMIT 1)"
 )
 
 

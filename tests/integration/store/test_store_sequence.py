@@ -1,8 +1,8 @@
 """Conformance: schema 5's logs (docs/STORE.md, "The layout written in sequence").
 
 Effects are appended with a sequence and never changed; marking them published appends
-runs of sequences, cut at multiples of 1,024, the earliest run covering an effect giving
-its ``published_at``; retention deletes the runs that end before the oldest effect kept.
+runs of sequences, cut at multiples of 1,024, none covering a sequence another covers, the
+run covering an effect giving its ``published_at``; retention deletes the runs that end before the oldest effect kept.
 On SQLite, keys, event ids and resources are found by a 64-bit digest and compared with
 the names themselves, so names sharing a digest stay apart (forced here by a digest that
 is the same for every name).
@@ -10,6 +10,9 @@ is the same for every name).
 
 from __future__ import annotations
 
+import sqlite3
+from contextlib import closing
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -84,6 +87,43 @@ def test_a_mark_appends_runs_and_published_at_is_the_first_mark(
     with store.transaction() as tx:
         counted = dict(tx.execute(_EFFECTS_COUNT))
     assert {k: int(v) for k, v in counted.items()} == {"published": 3000}
+
+
+def test_no_sequence_is_covered_twice_however_often_its_key_is_marked(store: Store) -> None:
+    """What makes reading ``published_at`` one index step (``sequencing.PUBLISHED_AT``)."""
+    keys = [f"k-{n:04d}" for n in range(1100)]
+    put(store, keys)
+    for marked in (keys[10:20], keys[0:30:3], keys[5:1100], keys, keys[1000:1050]):
+        with store.transaction() as tx:
+            tx.effects_mark_published(CONSUMER, [(A, k) for k in marked])
+    covered = [s for first, last in runs(store) for s in range(first, last + 1)]
+    assert sorted(covered) == list(range(1, 1101))  # each sequence once, none twice
+
+
+def test_the_probe_reads_one_run_an_effect_on_a_light_loads_store(
+    sqlite_store: Store, tmp_path: Path
+) -> None:
+    """A light load marks a few effects at a time: 1,024 sequences hold hundreds of runs.
+    Counting what is published steps through one of them an effect (SQLite's virtual
+    machine instructions counted), not through every run of the sequences before it."""
+    for n in range(0, 3000, 3):
+        keys = [f"k-{m}" for m in range(n, n + 3)]
+        with sqlite_store.transaction() as tx:
+            tx.effects_put(CONSUMER, [NewEffect(k, "c", [], A) for k in keys])
+            tx.effects_mark_published(CONSUMER, [(A, k) for k in keys])
+    put(sqlite_store, ["last"])  # one unpublished
+    steps = 0
+
+    def count() -> int:
+        nonlocal steps
+        steps += 1
+        return 0
+
+    with closing(sqlite3.connect(tmp_path / "store.db")) as db:
+        db.set_progress_handler(count, 100)
+        assert dict(db.execute(_EFFECTS_COUNT)) == {"published": 3000, "unpublished": 1}
+    # About 40 instructions an effect (a forward scan: about 3,000), in hundreds.
+    assert steps * 100 / 3001 < 200, f"{steps * 100 / 3001:.0f} instructions an effect"
 
 
 def test_the_single_row_mark_and_the_probe_count(store: Store, clock: ManualClock) -> None:
