@@ -190,46 +190,39 @@ _EVENT_COLUMNS = (
 _STATE_COLUMNS = "tenant, namespace, agent, resource_id, data, position, updated_at"
 
 
+def _with_digest(run: Runner, table: str, ddl: str, column: str, columns: str, name: str) -> None:
+    """SQLite: ``meshforge_<table>`` rebuilt from ``ddl`` (its columns) with the digest
+    ``column`` of each row's tenant, namespace, agent and ``name``, and an index on it."""
+    full = f"meshforge_{table}"
+    run.rows(f"CREATE TABLE {full}_v5 ({ddl})")
+    run.rows(
+        f"INSERT INTO {full}_v5 ({column}, {columns})"
+        f" SELECT {DIGEST_FUNCTION}(tenant, namespace, agent, {name}), {columns}"
+        f" FROM {full} ORDER BY rowid"
+    )
+    run.rows(f"DROP TABLE {full}")
+    run.rows(f"ALTER TABLE {full}_v5 RENAME TO {full}")
+    run.rows(f"CREATE INDEX {full}_{column} ON {full} ({column})")
+
+
 def _narrow_events(run: Runner, dialect: Dialect) -> None:
     """SQLite: event ids found through a digest index (``ed``), not a unique index."""
-    if dialect.name != "sqlite":
-        return
-    run.rows(
-        """CREATE TABLE meshforge_events_v5 (
-        tenant TEXT NOT NULL, namespace TEXT NOT NULL, agent TEXT NOT NULL,
-        position BIGINT NOT NULL, ed INTEGER NOT NULL, event_id TEXT NOT NULL,
-        type TEXT NOT NULL, resource_id TEXT, command_id TEXT NOT NULL, key TEXT NOT NULL,
-        data BLOB NOT NULL, ts TEXT NOT NULL, stored_at TEXT NOT NULL,
-        PRIMARY KEY (tenant, namespace, agent, position))"""
-    )
-    run.rows(
-        f"INSERT INTO meshforge_events_v5 (ed, {_EVENT_COLUMNS})"
-        f" SELECT {DIGEST_FUNCTION}(tenant, namespace, agent, event_id), {_EVENT_COLUMNS}"
-        " FROM meshforge_events ORDER BY rowid"
-    )
-    run.rows("DROP TABLE meshforge_events")
-    run.rows("ALTER TABLE meshforge_events_v5 RENAME TO meshforge_events")
-    run.rows("CREATE INDEX meshforge_events_ed ON meshforge_events (ed)")
+    if dialect.name == "sqlite":
+        _with_digest(run, "events", """tenant TEXT NOT NULL, namespace TEXT NOT NULL,
+            agent TEXT NOT NULL, position BIGINT NOT NULL, ed INTEGER NOT NULL,
+            event_id TEXT NOT NULL, type TEXT NOT NULL, resource_id TEXT,
+            command_id TEXT NOT NULL, key TEXT NOT NULL, data BLOB NOT NULL, ts TEXT NOT NULL,
+            stored_at TEXT NOT NULL, PRIMARY KEY (tenant, namespace, agent, position)""",
+            "ed", _EVENT_COLUMNS, "event_id")  # fmt: skip
 
 
 def _narrow_states(run: Runner, dialect: Dialect) -> None:
     """SQLite: resources found through a digest index (``sd``); rows changed in place."""
-    if dialect.name != "sqlite":
-        return
-    run.rows(
-        """CREATE TABLE meshforge_states_v5 (
-        sd INTEGER NOT NULL, tenant TEXT NOT NULL, namespace TEXT NOT NULL,
-        agent TEXT NOT NULL, resource_id TEXT NOT NULL, data BLOB NOT NULL,
-        position BIGINT NOT NULL, updated_at TEXT NOT NULL)"""
-    )
-    run.rows(
-        f"INSERT INTO meshforge_states_v5 (sd, {_STATE_COLUMNS})"
-        f" SELECT {DIGEST_FUNCTION}(tenant, namespace, agent, resource_id), {_STATE_COLUMNS}"
-        " FROM meshforge_states ORDER BY rowid"
-    )
-    run.rows("DROP TABLE meshforge_states")
-    run.rows("ALTER TABLE meshforge_states_v5 RENAME TO meshforge_states")
-    run.rows("CREATE INDEX meshforge_states_sd ON meshforge_states (sd)")
+    if dialect.name == "sqlite":
+        _with_digest(run, "states", """sd INTEGER NOT NULL, tenant TEXT NOT NULL,
+            namespace TEXT NOT NULL, agent TEXT NOT NULL, resource_id TEXT NOT NULL,
+            data BLOB NOT NULL, position BIGINT NOT NULL, updated_at TEXT NOT NULL""",
+            "sd", _STATE_COLUMNS, "resource_id")  # fmt: skip
 
 
 STEPS: list[Step] = [
