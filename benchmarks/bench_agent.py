@@ -88,7 +88,7 @@ async def main(n: int, rounds: int, kinds: list[str]) -> None:
     cpu = statistics.median(cpus["mf"])
     floor("W2", "exactly-once agent's worker CPU a command (SQLite, durability = sync), backlog",
           f"{cpu:.0f} us", f"<= {W2_FLOOR_US:.0f} us", met=cpu <= W2_FLOOR_US,
-          note="on a quiet machine; " + ", ".join(
+          note="judge it on a quiet machine; " + ", ".join(
               f"{LABELS[k]} {statistics.median(cpus[k]):.0f} us" for k in BARE_LOOPS if k in cpus))  # fmt: skip
     loops = {k: med[k] for k in BARE_LOOPS if k in med}
     if loops:
