@@ -89,13 +89,9 @@ def digests(tenant: str, namespace: str, owner: str, names: Iterable[str]) -> li
 
 
 def digest(tenant: str, namespace: str, owner: str, name: str) -> int:
-    """The digest of one name (``digests`` of one)."""
+    """The digest of one name (``digests`` of one, looked up at each call); the SQL
+    function ``DIGEST_FUNCTION`` the migration fills digest columns with."""
     return digests(tenant, namespace, owner, [name])[0]
-
-
-def sql_digest(tenant: str, namespace: str, owner: str, name: str) -> int:
-    """``digest`` as the SQL function the migration uses (looked up at each call)."""
-    return digest(tenant, namespace, owner, name)
 
 
 def runs(seqs: Iterable[int]) -> list[tuple[int, int]]:

@@ -32,7 +32,7 @@ from meshforge.errors import StoreError, one_line
 from meshforge.store.base import Transaction
 from meshforge.store.core import Clock, Durability, SqlStore
 from meshforge.store.schema import migrate
-from meshforge.store.sequencing import DIGEST_FUNCTION, sql_digest
+from meshforge.store.sequencing import DIGEST_FUNCTION, digest
 from meshforge.store.sql import Cursor, Dialect, sqlite_ts_in, sqlite_ts_out, url_error
 
 log = logging.getLogger("meshforge.store")
@@ -228,7 +228,7 @@ class SqliteStore(SqlStore):
             self._conn.execute(f"PRAGMA wal_autocheckpoint = {_BACKSTOP_FRAMES}")
             self._conn.execute(f"PRAGMA cache_size = -{_CACHE_KIB}")
             # The digest columns of schema 5, for the migration that fills them.
-            self._conn.create_function(DIGEST_FUNCTION, 4, sql_digest, deterministic=True)
+            self._conn.create_function(DIGEST_FUNCTION, 4, digest, deterministic=True)
             if self._wal:
                 self._checkpointer = _Checkpointer(path)
         except (OSError, sqlite3.Error) as exc:
