@@ -125,15 +125,21 @@ class BatchMethods:
     _state_rows: dict[Owned, int | None]
 
     def _by_digest(
-        self, sql: str, scope: Scope, owner: str, names: Sequence[str]
+        self,
+        sql: str,
+        scope: Scope,
+        owner: str,
+        names: Sequence[str],
+        found: Sequence[int] | None = None,
     ) -> list[tuple[Any, ...]]:
         """SQLite: the rows ``sql`` finds for ``names`` of one scope and owner by their
-        digests (``sql`` binds tenant, namespace and owner, then ``{rows}`` of digests,
-        and selects the name first); a row whose name is not among ``names`` shares a
-        digest with one of them and is left out."""
+        digests (``found``, if the caller has them already; ``sql`` binds tenant,
+        namespace and owner, then ``{rows}`` of digests, and selects the name first); a row
+        whose name is not among ``names`` shares a digest with one of them and is left out."""
         if not names:
             return []
-        found = sequencing.digests(scope.tenant, scope.namespace, owner, names)
+        if found is None:
+            found = sequencing.digests(scope.tenant, scope.namespace, owner, names)
         rows = self._run.each(
             sql, [(d,) for d in dict.fromkeys(found)], (scope.tenant, scope.namespace, owner)
         )

@@ -199,8 +199,11 @@ class SqlTransaction(BatchMethods):
         if not events:
             return []
         t, ns = scope.tenant, scope.namespace
+        found: list[int] = []
         if self._d.embedded:
-            self._refuse_known_events(agent, scope, [e.event_id for e in events])
+            ids = [e.event_id for e in events]
+            found = sequencing.digests(t, ns, agent, ids)
+            self._refuse_known_events(agent, scope, ids, found)
         # The head row is locked until commit, so concurrent appends take turns: gapless.
         head = self._run.rows(
             "INSERT INTO meshforge_agent_heads (tenant, namespace, agent, position)"
@@ -212,14 +215,9 @@ class SqlTransaction(BatchMethods):
         first = int(head[0][0]) - len(events) + 1
         positions = list(range(first, first + len(events)))
         blob = self._blob
-        target = (
-            "meshforge_events (tenant, namespace, agent, position, event_id, type, resource_id,"
-            " command_id, key, data, ts, stored_at)"
-        )
         if self._d.embedded:
             # What every row shares is bound once a statement, not once a row; the event
             # id's digest goes into the narrow index that finds it again.
-            found = sequencing.digests(t, ns, agent, [e.event_id for e in events])
             self._run.each(
                 "INSERT INTO meshforge_events (tenant, namespace, agent, position, ed, event_id,"
                 " type, resource_id, command_id, key, data, ts, stored_at) SELECT ?, ?, ?,"
@@ -230,6 +228,10 @@ class SqlTransaction(BatchMethods):
                 (t, ns, agent, self._now),
             )  # fmt: skip
             return positions
+        target = (
+            "meshforge_events (tenant, namespace, agent, position, event_id, type, resource_id,"
+            " command_id, key, data, ts, stored_at)"
+        )
         self._run.insert(
             target,
             [
@@ -240,7 +242,9 @@ class SqlTransaction(BatchMethods):
         )  # fmt: skip
         return positions
 
-    def _refuse_known_events(self, agent: str, scope: Scope, ids: Sequence[str]) -> None:
+    def _refuse_known_events(
+        self, agent: str, scope: Scope, ids: Sequence[str], found: Sequence[int]
+    ) -> None:
         """SQLite: a ``duplicate`` error for an event id given twice or already in the log
         of (scope, agent), found by its digest (one writer at a time: none can come
         between this look and the append)."""
@@ -249,7 +253,7 @@ class SqlTransaction(BatchMethods):
             if event_id in seen:
                 self._duplicate_event(agent, scope, event_id, "is given twice")
             seen.add(event_id)
-        for (event_id,) in self._by_digest(_EVENT_IDS_ONE_SCOPE, scope, agent, ids)[:1]:
+        for (event_id,) in self._by_digest(_EVENT_IDS_ONE_SCOPE, scope, agent, ids, found)[:1]:
             self._duplicate_event(agent, scope, event_id, "is already in the log")
 
     @staticmethod
